@@ -1,0 +1,103 @@
+"""The test bed's pod network on this machine: a gateway address on the host, an unreachable
+route for the guarded range, and one network namespace + veth pair per process-node pod (what
+a CNI plugin would do). Everything it creates carries a `dtb` prefix so `down` can remove
+exactly that and nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import subprocess
+
+from .layout import GATEWAY_IP, GUARDED_RANGE, NETNS_PREFIX, VETH_PREFIX
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def setup_host() -> None:
+    """Give the host its gateway address and hold the whole range as unreachable."""
+    if GATEWAY_IP not in _ip("-4", "addr", "show", "dev", "lo").stdout:
+        _ip("addr", "add", f"{GATEWAY_IP}/32", "dev", "lo")
+    if "unreachable " + str(GUARDED_RANGE) not in _ip("route", "show").stdout:
+        _ip("route", "add", "unreachable", str(GUARDED_RANGE))
+
+
+def netns_name(pod_uid: str) -> str:
+    return NETNS_PREFIX + pod_uid[:8]
+
+
+def _veth_name(pod_uid: str) -> str:
+    # Interface names are limited to 15 bytes; a digest keeps them unique and short.
+    return VETH_PREFIX + hashlib.sha1(pod_uid.encode()).hexdigest()[:10]
+
+
+def create_pod_network(pod_uid: str, pod_ip: str) -> str:
+    """Create the pod's namespace with `pod_ip` on its eth0 and a host route to it.
+
+    Returns the namespace name. Idempotent: an existing namespace is recreated.
+    """
+    ns, veth = netns_name(pod_uid), _veth_name(pod_uid)
+    delete_pod_network(pod_uid, pod_ip)
+    _ip("netns", "add", ns)
+    _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+    _ip("link", "set", veth, "up")
+    _ip("-n", ns, "link", "set", "lo", "up")
+    _ip("-n", ns, "link", "set", "eth0", "up")
+    _ip("-n", ns, "addr", "add", f"{pod_ip}/32", "dev", "eth0")
+    _ip("-n", ns, "route", "add", GATEWAY_IP, "dev", "eth0")
+    _ip("-n", ns, "route", "add", "default", "via", GATEWAY_IP, "dev", "eth0")
+    _ip("route", "replace", f"{pod_ip}/32", "dev", veth, "src", GATEWAY_IP)
+    return ns
+
+
+def delete_pod_network(pod_uid: str, pod_ip: str | None) -> None:
+    """Remove the pod's namespace, veth and route (whatever of them exists)."""
+    if pod_ip:
+        _ip("route", "del", f"{pod_ip}/32", check=False)
+    _ip("link", "del", _veth_name(pod_uid), check=False)
+    _ip("netns", "del", netns_name(pod_uid), check=False)
+
+
+def namespaces() -> list[str]:
+    """Network namespaces of the test bed that exist now."""
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
+
+
+def leftovers() -> list[str]:
+    """Everything of the test bed's network that exists now (empty after a clean `down`)."""
+    found = [f"netns {ns}" for ns in namespaces()]
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name.startswith(VETH_PREFIX):
+            found.append(f"link {name}")
+    for line in _ip("route", "show", check=False).stdout.splitlines():
+        dest = line.split()[1] if line.startswith("unreachable") else line.split()[0]
+        try:
+            net = ipaddress.ip_network(dest, strict=False)
+        except ValueError:
+            continue
+        if net.version == 4 and net.subnet_of(GUARDED_RANGE):  # type: ignore[arg-type]
+            found.append(f"route {line.strip()}")
+    if GATEWAY_IP in _ip("-4", "addr", "show", "dev", "lo", check=False).stdout:
+        found.append(f"address {GATEWAY_IP} on lo")
+    return found
+
+
+def teardown_host() -> None:
+    """Remove every namespace, veth, route and address the test bed made, killing what still
+    runs inside its namespaces."""
+    for ns in namespaces():
+        pids = _ip("netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            subprocess.run(["kill", "-KILL", pid], check=False, capture_output=True)
+        _ip("netns", "del", ns, check=False)
+    for item in leftovers():
+        kind, _, rest = item.partition(" ")
+        if kind == "link":
+            _ip("link", "del", rest, check=False)
+        elif kind == "route":
+            _ip("route", "del", *rest.split(), check=False)
+    _ip("addr", "del", f"{GATEWAY_IP}/32", "dev", "lo", check=False)

@@ -1,0 +1,833 @@
+"""The process node: a node agent (what the kubelet does, minus images) that runs the pods
+bound to it as local processes, each pod in its own network namespace with its pod IP.
+
+It registers its Node (advertising `nvidia.com/gpu`, tainted so that only pods that tolerate
+it land here), renews its Lease, and for each pod bound to it: allocates a pod IP, creates
+the pod's network namespace, resolves the env (values, downward-API fields, Secret and
+ConfigMap keys), mounts a bound service-account token, runs each container's command, runs
+its probes, writes the pod's status through `pods/status`, restarts exited containers per the
+restart policy, and on deletion sends SIGTERM, waits the grace period, SIGKILLs, removes the
+namespace and finalizes the pod. Images are ignored: a container must name its command.
+
+Run it as `python -m testbed.process_node` (hack/cluster does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from . import network
+from .layout import (
+    GATEWAY_IP,
+    GPUS_PER_NODE,
+    HACK_DIR,
+    PROCESS_NODE_NAME,
+    PROCESS_NODE_POD_CIDR,
+    PROCESS_NODE_TAINT_KEY,
+    Layout,
+    Ports,
+    read_versions,
+)
+
+log = logging.getLogger("process-node")
+
+LEASE_DURATION_SECONDS = 40
+LEASE_RENEW_SECONDS = 10
+NODE_STATUS_SECONDS = 60
+# The kubelet starts at 10 s and doubles to 5 min; shorter here so tests see restarts quickly.
+RESTART_BACKOFF_START = 1.0
+RESTART_BACKOFF_MAX = 10.0
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+LAUNCHER = HACK_DIR / "testbed" / "launcher.py"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now_micro() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def node_manifest(name: str) -> Any:  # a plain dict; the client accepts dicts as bodies
+    """The Node this agent registers, with the status a kubelet would report."""
+    now = _now()
+    capacity = {
+        "cpu": "16",
+        "memory": "64Gi",
+        "ephemeral-storage": "100Gi",
+        "pods": "110",
+        "nvidia.com/gpu": str(GPUS_PER_NODE),
+    }
+    conditions = [
+        {"type": t, "status": "False", "reason": f"Kubelet{r}", "message": m}
+        for t, r, m in (
+            ("MemoryPressure", "HasSufficientMemory", "kubelet has sufficient memory"),
+            ("DiskPressure", "HasNoDiskPressure", "kubelet has no disk pressure"),
+            ("PIDPressure", "HasSufficientPID", "kubelet has sufficient PID available"),
+        )
+    ]
+    conditions.append(
+        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "process node"}
+    )
+    for c in conditions:
+        c["lastHeartbeatTime"] = now
+        c["lastTransitionTime"] = now
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "dynamo.dev/node-kind": "process",
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": "Process-Node-Virtual-GPU",
+                "nvidia.com/gpu.count": str(GPUS_PER_NODE),
+            },
+        },
+        "spec": {
+            "podCIDR": PROCESS_NODE_POD_CIDR,
+            "podCIDRs": [PROCESS_NODE_POD_CIDR],
+            "taints": [{"key": PROCESS_NODE_TAINT_KEY, "value": "true", "effect": "NoSchedule"}],
+        },
+        "status": {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": conditions,
+            "addresses": [
+                {"type": "InternalIP", "address": GATEWAY_IP},
+                {"type": "Hostname", "address": name},
+            ],
+            "nodeInfo": {
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+                "kubeletVersion": read_versions()["K8S_VERSION"],
+                "kubeProxyVersion": "",
+                "containerRuntimeVersion": "process://local",
+                "osImage": "dynamo test bed process node",
+                "kernelVersion": os.uname().release,
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+            },
+        },
+    }
+
+
+class IpPool:
+    """Pod IPs from the node's pod CIDR (.1 is left for a gateway, as is customary)."""
+
+    def __init__(self, cidr: str) -> None:
+        hosts = list(ipaddress.ip_network(cidr).hosts())
+        self._free = [str(ip) for ip in hosts[1:]]
+        self._used: set[str] = set()
+
+    def take(self) -> str:
+        for ip in self._free:
+            if ip not in self._used:
+                self._used.add(ip)
+                return ip
+        raise RuntimeError("process node: pod CIDR exhausted")
+
+    def give_back(self, ip: str) -> None:
+        self._used.discard(ip)
+
+
+@dataclass
+class Probe:
+    """One container probe and its counters, as the kubelet keeps them."""
+
+    spec: dict[str, Any]
+    success: bool = False
+    consecutive_ok: int = 0
+    consecutive_fail: int = 0
+
+
+@dataclass
+class Container:
+    name: str
+    spec: dict[str, Any]
+    process: asyncio.subprocess.Process | None = None
+    restart_count: int = 0
+    started_at: str | None = None
+    started: bool = False
+    ready: bool = False
+    last_terminated: dict[str, Any] | None = None
+    terminated: dict[str, Any] | None = None
+    waiting_reason: str | None = None
+    waiting_message: str | None = None
+
+
+@dataclass
+class PodRun:
+    """Everything the agent tracks for one pod it runs."""
+
+    namespace: str
+    name: str
+    uid: str
+    pod_ip: str
+    netns: str
+    directory: Path
+    containers: list[Container] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    start_time: str = field(default_factory=_now)
+    terminating: bool = False
+    status_dirty: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ProcessNode:
+    """The agent. `api` is built by the caller from the admin kubeconfig."""
+
+    def __init__(self, api: client.ApiClient, layout: Layout, ports: Ports, node_name: str):
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.coordination = client.CoordinationV1Api(api)
+        self.layout = layout
+        self.ports = ports
+        self.node_name = node_name
+        self.ips = IpPool(PROCESS_NODE_POD_CIDR)
+        self.pods: dict[str, PodRun] = {}  # by uid
+        self.node_uid = ""
+
+    # --- node ----------------------------------------------------------------------------
+
+    async def register(self) -> None:
+        manifest = node_manifest(self.node_name)
+        try:
+            node = await self.core.create_node(manifest)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            await self.core.patch_node_status(self.node_name, {"status": manifest["status"]})
+            node = await self.core.read_node(self.node_name)
+        self.node_uid = node.metadata.uid
+        log.info("registered node %s", self.node_name)
+
+    async def heartbeat(self) -> None:
+        """Renew the Lease every 10 s and refresh the Ready condition every minute."""
+        last_status = asyncio.get_running_loop().time()
+        while True:
+            await self._renew_lease()
+            if asyncio.get_running_loop().time() - last_status >= NODE_STATUS_SECONDS:
+                conditions = node_manifest(self.node_name)["status"]["conditions"]
+                await self.core.patch_node_status(
+                    self.node_name, {"status": {"conditions": conditions}}
+                )
+                last_status = asyncio.get_running_loop().time()
+            await asyncio.sleep(LEASE_RENEW_SECONDS)
+
+    async def _renew_lease(self) -> None:
+        body: Any = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.node_name,
+                "namespace": "kube-node-lease",
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Node",
+                        "name": self.node_name,
+                        "uid": self.node_uid,
+                    }
+                ],
+            },
+            "spec": {
+                "holderIdentity": self.node_name,
+                "leaseDurationSeconds": LEASE_DURATION_SECONDS,
+                "renewTime": _now_micro(),
+            },
+        }
+        try:
+            await self.coordination.patch_namespaced_lease(
+                self.node_name, "kube-node-lease", {"spec": {"renewTime": _now_micro()}}
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("lease renewal failed: %s", exc.reason)
+                return
+            await self.coordination.create_namespaced_lease("kube-node-lease", body)
+
+    # --- pods ----------------------------------------------------------------------------
+
+    async def watch_pods(self) -> None:
+        """List and watch the pods bound to this node and act on each change (level-based)."""
+        selector = f"spec.nodeName={self.node_name}"
+        while True:
+            listing = await self.core.list_pod_for_all_namespaces(field_selector=selector)
+            seen = {p.metadata.uid for p in listing.items}
+            for pod in listing.items:
+                await self.on_pod(pod)
+            for uid in list(self.pods):
+                if uid not in seen:
+                    await self.forget(uid)
+            version = listing.metadata.resource_version
+            try:
+                async with watch.Watch() as w:
+                    async for event in w.stream(
+                        self.core.list_pod_for_all_namespaces,
+                        field_selector=selector,
+                        resource_version=version,
+                        timeout_seconds=300,
+                    ):
+                        pod = event["object"]
+                        if event["type"] == "DELETED":
+                            await self.forget(pod.metadata.uid)
+                        elif event["type"] in ("ADDED", "MODIFIED"):
+                            await self.on_pod(pod)
+            except ApiException as exc:
+                if exc.status != 410:  # 410 Gone: the watch expired; list again.
+                    log.warning("pod watch failed: %s; relisting", exc.reason)
+                    await asyncio.sleep(1)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("pod watch interrupted: %r; relisting", exc)
+                await asyncio.sleep(1)
+
+    async def on_pod(self, pod: client.V1Pod) -> None:
+        uid = pod.metadata.uid
+        run = self.pods.get(uid)
+        if pod.metadata.deletion_timestamp is not None:
+            if run and not run.terminating:
+                run.terminating = True
+                grace = pod.metadata.deletion_grace_period_seconds
+                if grace is None:
+                    grace = pod.spec.termination_grace_period_seconds or 30
+                run.tasks.append(asyncio.create_task(self.terminate(run, grace)))
+            elif run is None:
+                await self.finalize(pod.metadata.namespace, pod.metadata.name, uid)
+            return
+        if run is None and (pod.status.phase or "Pending") == "Pending":
+            await self.start_pod(pod)
+
+    async def start_pod(self, pod: client.V1Pod) -> None:
+        meta = pod.metadata
+        pod_ip = self.ips.take()
+        directory = self.layout.pods / meta.uid
+        directory.mkdir(parents=True, exist_ok=True)
+        netns = await asyncio.to_thread(network.create_pod_network, meta.uid, pod_ip)
+        raw = self.api.sanitize_for_serialization(pod)
+        run = PodRun(meta.namespace, meta.name, meta.uid, pod_ip, netns, directory)
+        self.pods[meta.uid] = run
+        log.info("pod %s/%s: ip %s netns %s", meta.namespace, meta.name, pod_ip, netns)
+        try:
+            binds = await self._volumes(raw, run)
+            for spec in raw["spec"]["containers"]:
+                container = Container(spec["name"], spec)
+                run.containers.append(container)
+                env = await self._env(raw, spec, run)
+                run.tasks.append(
+                    asyncio.create_task(self.supervise(raw, run, container, env, binds))
+                )
+        except Exception as exc:  # a pod that cannot start is reported, not fatal to the node
+            log.exception("pod %s/%s cannot start", meta.namespace, meta.name)
+            run.containers = [Container(s["name"], s) for s in raw["spec"]["containers"]]
+            for c in run.containers:
+                c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(exc)
+        run.tasks.append(asyncio.create_task(self.status_writer(run)))
+        run.status_dirty.set()
+
+    async def _volumes(self, pod: dict[str, Any], run: PodRun) -> list[tuple[str, str]]:
+        """Host directories to bind into the pod: the service-account token (when mounted) and
+        emptyDir volumes at each container's mount paths."""
+        binds: list[tuple[str, str]] = []
+        spec = pod["spec"]
+        sa = spec.get("serviceAccountName") or "default"
+        if spec.get("automountServiceAccountToken", True):
+            token_dir = run.directory / "serviceaccount"
+            token_dir.mkdir(exist_ok=True)
+            request: Any = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "audiences": [],
+                    "expirationSeconds": 86400,
+                    "boundObjectRef": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": run.name,
+                        "uid": run.uid,
+                    },
+                },
+            }
+            token = await self.core.create_namespaced_service_account_token(
+                sa, run.namespace, request
+            )
+            (token_dir / "token").write_text(token.status.token)
+            shutil.copy(self.layout.pki / "ca.crt", token_dir / "ca.crt")
+            (token_dir / "namespace").write_text(run.namespace)
+            binds.append((str(token_dir), SA_MOUNT))
+        empty_dirs = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
+        for container in spec["containers"]:
+            for mount in container.get("volumeMounts") or []:
+                if mount["name"] in empty_dirs:
+                    host = run.directory / "volumes" / mount["name"]
+                    host.mkdir(parents=True, exist_ok=True)
+                    binds.append((str(host), mount["mountPath"]))
+        return binds
+
+    async def _env(
+        self, pod: dict[str, Any], container: dict[str, Any], run: PodRun
+    ) -> dict[str, str]:
+        env: dict[str, str] = {
+            # The agent's own interpreter first: `python` in a pod is the project's venv.
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOME": str(run.directory),
+            "HOSTNAME": run.name,
+            # As the kubelet does for the `kubernetes` Service; the ClusterIP routes nowhere
+            # without kube-proxy, so point at the API server's own address.
+            "KUBERNETES_SERVICE_HOST": GATEWAY_IP,
+            "KUBERNETES_SERVICE_PORT": str(self.ports.apiserver),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(self.ports.apiserver),
+        }
+        for source in container.get("envFrom") or []:
+            prefix = source.get("prefix", "")
+            if "secretRef" in source:
+                data = await self._secret(run.namespace, source["secretRef"]["name"])
+            else:
+                data = await self._configmap(run.namespace, source["configMapRef"]["name"])
+            env.update({prefix + k: v for k, v in data.items()})
+        for var in container.get("env") or []:
+            if "valueFrom" not in var:
+                env[var["name"]] = _expand(var.get("value", ""), env)
+                continue
+            source = var["valueFrom"]
+            if "fieldRef" in source:
+                env[var["name"]] = self._field(pod, source["fieldRef"]["fieldPath"], run)
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                env[var["name"]] = (await self._secret(run.namespace, ref["name"]))[ref["key"]]
+            elif "configMapKeyRef" in source:
+                ref = source["configMapKeyRef"]
+                env[var["name"]] = (await self._configmap(run.namespace, ref["name"]))[ref["key"]]
+            elif "resourceFieldRef" in source:
+                resources = container.get("resources") or {}
+                kind, _, res = source["resourceFieldRef"]["resource"].partition(".")
+                env[var["name"]] = str((resources.get(kind) or {}).get(res, "0"))
+        return env
+
+    def _field(self, pod: dict[str, Any], path: str, run: PodRun) -> str:
+        meta = pod["metadata"]
+        simple = {
+            "metadata.name": run.name,
+            "metadata.namespace": run.namespace,
+            "metadata.uid": run.uid,
+            "spec.nodeName": self.node_name,
+            "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
+            "status.podIP": run.pod_ip,
+            "status.podIPs": run.pod_ip,
+            "status.hostIP": GATEWAY_IP,
+            "status.hostIPs": GATEWAY_IP,
+        }
+        if path in simple:
+            return simple[path]
+        for kind in ("labels", "annotations"):
+            prefix = f"metadata.{kind}['"
+            if path.startswith(prefix) and path.endswith("']"):
+                return str((meta.get(kind) or {}).get(path[len(prefix) : -2], ""))
+        raise ValueError(f"unsupported fieldRef {path!r}")
+
+    async def _secret(self, namespace: str, name: str) -> dict[str, str]:
+        import base64
+
+        secret = await self.core.read_namespaced_secret(name, namespace)
+        data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+        data.update(secret.string_data or {})
+        return data
+
+    async def _configmap(self, namespace: str, name: str) -> dict[str, str]:
+        return dict((await self.core.read_namespaced_config_map(name, namespace)).data or {})
+
+    # --- containers ----------------------------------------------------------------------
+
+    async def supervise(
+        self,
+        pod: dict[str, Any],
+        run: PodRun,
+        container: Container,
+        env: dict[str, str],
+        binds: list[tuple[str, str]],
+    ) -> None:
+        """Run the container, restart it per the restart policy, and run its probes."""
+        policy = pod["spec"].get("restartPolicy", "Always")
+        command = (container.spec.get("command") or []) + (container.spec.get("args") or [])
+        if not container.spec.get("command"):
+            container.waiting_reason = "CreateContainerError"
+            container.waiting_message = (
+                "the process node ignores images: the container must set `command`"
+            )
+            run.status_dirty.set()
+            return
+        command = [_expand(part, env) for part in command]
+        backoff = RESTART_BACKOFF_START
+        log_path = run.directory / f"{container.name}.log"
+        while not run.terminating:
+            argv = ["ip", "netns", "exec", run.netns, sys.executable, str(LAUNCHER)]
+            for src, dst in binds:
+                argv += ["--bind", src, dst]
+            argv += ["--cwd", container.spec.get("workingDir") or str(run.directory), "--"]
+            with log_path.open("ab") as out:
+                container.process = await asyncio.create_subprocess_exec(
+                    *argv,
+                    *command,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            container.started_at = _now()
+            container.terminated = None
+            container.waiting_reason = None
+            container.ready = False
+            probes = asyncio.create_task(self.run_probes(run, container))
+            run.status_dirty.set()
+            code = await container.process.wait()
+            probes.cancel()
+            container.ready = False
+            container.started = False
+            finished = {
+                "exitCode": code if code >= 0 else 128 - code,
+                "reason": "Completed" if code == 0 else "Error",
+                "startedAt": container.started_at,
+                "finishedAt": _now(),
+            }
+            if run.terminating:
+                container.terminated = finished
+                run.status_dirty.set()
+                return
+            if policy == "Never" or (policy == "OnFailure" and code == 0):
+                container.terminated = finished
+                run.status_dirty.set()
+                return
+            container.last_terminated = finished
+            container.restart_count += 1
+            container.waiting_reason = "CrashLoopBackOff"
+            container.waiting_message = f"back-off {backoff:.0f}s restarting failed container"
+            run.status_dirty.set()
+            log.info(
+                "pod %s/%s container %s exited %s; restarting in %.0fs",
+                run.namespace,
+                run.name,
+                container.name,
+                code,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_MAX)
+
+    async def run_probes(self, run: PodRun, container: Container) -> None:
+        spec = container.spec
+        startup = Probe(spec["startupProbe"]) if spec.get("startupProbe") else None
+        readiness = Probe(spec["readinessProbe"]) if spec.get("readinessProbe") else None
+        liveness = Probe(spec["livenessProbe"]) if spec.get("livenessProbe") else None
+        if startup and not await self._probe_until(run, container, startup, want_success=True):
+            await self._kill_for_restart(container, "startup probe failed")
+            return
+        container.started = True
+        if readiness is None:
+            container.ready = True
+        run.status_dirty.set()
+        tasks = []
+        if readiness:
+            tasks.append(asyncio.create_task(self._readiness_loop(run, container, readiness)))
+        if liveness:
+            tasks.append(asyncio.create_task(self._liveness_loop(run, container, liveness)))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _probe_until(
+        self, run: PodRun, container: Container, probe: Probe, want_success: bool
+    ) -> bool:
+        await asyncio.sleep(probe.spec.get("initialDelaySeconds", 0))
+        threshold = probe.spec.get("failureThreshold", 3)
+        while True:
+            ok = await self._check(run, container, probe.spec)
+            if ok == want_success:
+                return True
+            probe.consecutive_fail += 1
+            if probe.consecutive_fail >= threshold:
+                return False
+            await asyncio.sleep(probe.spec.get("periodSeconds", 10))
+
+    async def _readiness_loop(self, run: PodRun, container: Container, probe: Probe) -> None:
+        await asyncio.sleep(probe.spec.get("initialDelaySeconds", 0))
+        while True:
+            ok = await self._check(run, container, probe.spec)
+            if ok:
+                probe.consecutive_ok += 1
+                probe.consecutive_fail = 0
+                if probe.consecutive_ok >= probe.spec.get("successThreshold", 1):
+                    self._set_ready(run, container, True)
+            else:
+                probe.consecutive_fail += 1
+                probe.consecutive_ok = 0
+                if probe.consecutive_fail >= probe.spec.get("failureThreshold", 3) or (
+                    not container.ready
+                ):
+                    self._set_ready(run, container, False)
+            await asyncio.sleep(probe.spec.get("periodSeconds", 10))
+
+    async def _liveness_loop(self, run: PodRun, container: Container, probe: Probe) -> None:
+        await asyncio.sleep(probe.spec.get("initialDelaySeconds", 0))
+        while True:
+            if await self._check(run, container, probe.spec):
+                probe.consecutive_fail = 0
+            else:
+                probe.consecutive_fail += 1
+                if probe.consecutive_fail >= probe.spec.get("failureThreshold", 3):
+                    await self._kill_for_restart(container, "liveness probe failed")
+                    return
+            await asyncio.sleep(probe.spec.get("periodSeconds", 10))
+
+    def _set_ready(self, run: PodRun, container: Container, ready: bool) -> None:
+        if container.ready != ready:
+            container.ready = ready
+            run.status_dirty.set()
+
+    async def _kill_for_restart(self, container: Container, why: str) -> None:
+        log.info("container %s: %s; killing it for a restart", container.name, why)
+        if container.process and container.process.returncode is None:
+            _signal_group(container.process.pid, signal.SIGKILL)
+
+    async def _check(self, run: PodRun, container: Container, spec: dict[str, Any]) -> bool:
+        timeout = spec.get("timeoutSeconds", 1)
+        try:
+            if "httpGet" in spec:
+                get = spec["httpGet"]
+                port = _port(get["port"], container.spec)
+                scheme = get.get("scheme", "HTTP").lower()
+                url = f"{scheme}://{run.pod_ip}:{port}{get.get('path', '/')}"
+                session_timeout = aiohttp.ClientTimeout(total=timeout)
+                async with (
+                    aiohttp.ClientSession(timeout=session_timeout) as session,
+                    session.get(url, ssl=False) as resp,
+                ):
+                    return 200 <= resp.status < 400
+            if "tcpSocket" in spec:
+                port = _port(spec["tcpSocket"]["port"], container.spec)
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(run.pod_ip, port), timeout
+                )
+                writer.close()
+                return True
+            if "exec" in spec:
+                proc = await asyncio.create_subprocess_exec(
+                    "ip",
+                    "netns",
+                    "exec",
+                    run.netns,
+                    *spec["exec"]["command"],
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL,
+                )
+                return await asyncio.wait_for(proc.wait(), timeout) == 0
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+        return False
+
+    # --- status --------------------------------------------------------------------------
+
+    async def status_writer(self, run: PodRun) -> None:
+        """Write the pod's status whenever something changed (coalescing bursts)."""
+        last: dict[str, Any] | None = None
+        while True:
+            await run.status_dirty.wait()
+            run.status_dirty.clear()
+            status = self.pod_status(run)
+            if status == last:
+                continue
+            try:
+                await self.core.patch_namespaced_pod_status(
+                    run.name, run.namespace, {"status": status}
+                )
+                last = status
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+                log.warning("status of %s/%s not written: %s", run.namespace, run.name, exc.reason)
+                await asyncio.sleep(1)
+                run.status_dirty.set()
+
+    def pod_status(self, run: PodRun) -> dict[str, Any]:
+        statuses = []
+        for c in run.containers:
+            state: dict[str, Any]
+            if c.terminated:
+                state = {"terminated": c.terminated}
+            elif c.waiting_reason or c.process is None:
+                state = {
+                    "waiting": {
+                        "reason": c.waiting_reason or "ContainerCreating",
+                        **({"message": c.waiting_message} if c.waiting_message else {}),
+                    }
+                }
+            else:
+                state = {"running": {"startedAt": c.started_at}}
+            entry: dict[str, Any] = {
+                "name": c.name,
+                "image": c.spec.get("image", ""),
+                "imageID": "",
+                "containerID": f"process://{run.uid}/{c.name}",
+                "ready": c.ready,
+                "started": c.started,
+                "restartCount": c.restart_count,
+                "state": state,
+            }
+            if c.last_terminated:
+                entry["lastState"] = {"terminated": c.last_terminated}
+            statuses.append(entry)
+        all_ready = bool(run.containers) and all(c.ready for c in run.containers)
+        done = bool(run.containers) and all(c.terminated for c in run.containers)
+        if done:
+            failed = any(c.terminated and c.terminated["exitCode"] != 0 for c in run.containers)
+            phase = "Failed" if failed else "Succeeded"
+        elif any(c.process is not None for c in run.containers):
+            phase = "Running"
+        else:
+            phase = "Pending"
+
+        def cond(kind: str, ok: bool) -> dict[str, str]:
+            return {"type": kind, "status": "True" if ok else "False"}
+
+        return {
+            "phase": phase,
+            "hostIP": GATEWAY_IP,
+            "hostIPs": [{"ip": GATEWAY_IP}],
+            "podIP": run.pod_ip,
+            "podIPs": [{"ip": run.pod_ip}],
+            "startTime": run.start_time,
+            "conditions": [
+                cond("PodReadyToStartContainers", True),
+                cond("Initialized", True),
+                cond("ContainersReady", all_ready),
+                cond("Ready", all_ready and not run.terminating),
+            ],
+            "containerStatuses": statuses,
+        }
+
+    # --- termination ---------------------------------------------------------------------
+
+    async def terminate(self, run: PodRun, grace: int) -> None:
+        """SIGTERM, wait the grace period, SIGKILL, clean up, then finalize the pod."""
+        log.info("pod %s/%s: terminating (grace %ss)", run.namespace, run.name, grace)
+        run.status_dirty.set()
+        await self._stop_processes(run, grace)
+        await self._cleanup(run)
+        await self.finalize(run.namespace, run.name, run.uid)
+
+    async def _stop_processes(self, run: PodRun, grace: float) -> None:
+        procs = [c.process for c in run.containers if c.process and c.process.returncode is None]
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        if procs:
+            waits = [asyncio.create_task(p.wait()) for p in procs]
+            _, pending = await asyncio.wait(waits, timeout=max(grace, 0.1))
+            if pending:
+                for proc in procs:
+                    _signal_group(proc.pid, signal.SIGKILL)
+                await asyncio.wait(waits, timeout=5)
+
+    async def _cleanup(self, run: PodRun) -> None:
+        for task in run.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.to_thread(network.delete_pod_network, run.uid, run.pod_ip)
+        self.ips.give_back(run.pod_ip)
+        self.pods.pop(run.uid, None)
+
+    async def forget(self, uid: str) -> None:
+        """The pod object is gone (force-deleted): stop its processes at once."""
+        run = self.pods.get(uid)
+        if run is None or run.terminating:
+            return
+        run.terminating = True
+        await self._stop_processes(run, 0)
+        await self._cleanup(run)
+
+    async def finalize(self, namespace: str, name: str, uid: str) -> None:
+        body: Any = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+        with contextlib.suppress(ApiException):
+            await self.core.delete_namespaced_pod(name, namespace, body=body)
+        shutil.rmtree(self.layout.pods / uid, ignore_errors=True)
+
+    async def shutdown(self) -> None:
+        """Stop every pod's processes and remove their namespaces (the node is going away)."""
+        for run in list(self.pods.values()):
+            run.terminating = True
+            await self._stop_processes(run, 5)
+            await self._cleanup(run)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def _port(port: int | str, container: dict[str, Any]) -> int:
+    if isinstance(port, int) or str(port).isdigit():
+        return int(port)
+    for p in container.get("ports") or []:
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise ValueError(f"named port {port!r} not declared by the container")
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion for env values, command and args."""
+    for key, val in env.items():
+        value = value.replace(f"$({key})", val)
+    return value
+
+
+async def amain(layout: Layout, node_name: str) -> None:
+    await config.load_kube_config(config_file=str(layout.kubeconfig))
+    async with client.ApiClient() as api:
+        node = ProcessNode(api, layout, Ports(), node_name)
+        await node.register()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [asyncio.create_task(node.heartbeat()), asyncio.create_task(node.watch_pods())]
+        stopper: asyncio.Task[Any] = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        for task in done:
+            if task is not stopper and task.exception():
+                log.error("agent loop failed: %r", task.exception())
+        await node.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="testbed.process_node")
+    parser.add_argument("--node-name", default=PROCESS_NODE_NAME)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(amain(Layout.from_env(), args.node_name))
+
+
+if __name__ == "__main__":
+    main()

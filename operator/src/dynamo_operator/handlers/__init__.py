@@ -1,0 +1,1 @@
+"""kopf handlers: glue only (parse, call reconcile, write status)."""

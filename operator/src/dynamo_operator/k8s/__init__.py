@@ -1,0 +1,1 @@
+"""The thin Kubernetes client layer: server-side apply, reads, status patches."""

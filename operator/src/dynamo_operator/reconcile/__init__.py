@@ -1,0 +1,1 @@
+"""Pure builders (desired_* -> dict) and reconcile logic (no kopf here)."""

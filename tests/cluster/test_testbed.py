@@ -1,0 +1,396 @@
+"""The test bed is a real cluster: scheduling onto fake GPU nodes, garbage collection,
+authorization, CEL validation, and real processes behind real EndpointSlices."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from support.cluster import REPO, Cluster, eventually, hack_cluster
+
+pytestmark = pytest.mark.cluster
+
+sys.path.insert(0, str(REPO / "hack"))
+from testbed import network  # noqa: E402
+from testbed.layout import GUARDED_RANGE, PROCESS_NODE_TAINT_KEY  # noqa: E402
+
+PROCESS_NODE_TOLERATION = {"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists"}
+
+
+def _pod_ready(pod: client.V1Pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+async def _pods(api: client.ApiClient, namespace: str, selector: str) -> list[client.V1Pod]:
+    listing = await client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector)
+    return list(listing.items)
+
+
+async def test_gpu_deployment_lands_on_fake_gpu_nodes_and_is_garbage_collected(
+    api: client.ApiClient, namespace: str
+) -> None:
+    apps = client.AppsV1Api(api)
+    labels = {"app": "gpu-sleeper"}
+    deployment: Any = {
+        "metadata": {"name": "gpu-sleeper", "labels": labels},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.invalid/never-pulled:1",
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+    await apps.create_namespaced_deployment(namespace, deployment)
+
+    pods = await eventually(
+        lambda: _pods(api, namespace, "app=gpu-sleeper"),
+        90,
+        until=lambda ps: len(ps) == 3 and all(_pod_ready(p) for p in ps),
+    )
+    for pod in pods:
+        assert pod.spec.node_name.startswith("kwok-gpu-"), pod.spec.node_name
+        assert ipaddress.ip_address(pod.status.pod_ip) in GUARDED_RANGE
+    node = await client.CoreV1Api(api).read_node(pods[0].spec.node_name)
+    assert node.status.allocatable["nvidia.com/gpu"] == "8"
+    assert node.metadata.labels["nvidia.com/gpu.product"]
+
+    await apps.delete_namespaced_deployment("gpu-sleeper", namespace)
+    await eventually(
+        lambda: apps.list_namespaced_replica_set(namespace),
+        60,
+        until=lambda rs: not rs.items,
+    )
+    await eventually(lambda: _pods(api, namespace, "app=gpu-sleeper"), 60, until=lambda ps: not ps)
+
+
+async def test_authorization_is_enforced(
+    api: client.ApiClient, cluster: Cluster, namespace: str
+) -> None:
+    core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
+    sa: Any = {"metadata": {"name": "reader"}}
+    role: Any = {
+        "metadata": {"name": "get-pods"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}],
+    }
+    binding: Any = {
+        "metadata": {"name": "reader-get-pods"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "get-pods"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+    }
+    await core.create_namespaced_service_account(namespace, sa)
+    await rbac.create_namespaced_role(namespace, role)
+    await rbac.create_namespaced_role_binding(namespace, binding)
+    token_request: Any = {"spec": {"audiences": [], "expirationSeconds": 600}}
+    token = (
+        await core.create_namespaced_service_account_token("reader", namespace, token_request)
+    ).status.token
+
+    cfg = client.Configuration()
+    cfg.host = api.configuration.host
+    cfg.ssl_ca_cert = api.configuration.ssl_ca_cert
+    cfg.api_key = {"BearerToken": token}
+    cfg.api_key_prefix = {"BearerToken": "Bearer"}
+    async with client.ApiClient(cfg) as as_reader:
+        reader = client.CoreV1Api(as_reader)
+        with pytest.raises(ApiException) as missing:
+            await reader.read_namespaced_pod("no-such-pod", namespace)
+        assert missing.value.status == 404  # allowed to get: the pod just does not exist
+        pod: Any = {
+            "metadata": {"name": "forbidden"},
+            "spec": {"containers": [{"name": "c", "image": "x"}]},
+        }
+        with pytest.raises(ApiException) as denied:
+            await reader.create_namespaced_pod(namespace, pod)
+        assert denied.value.status == 403
+        assert "cannot create resource" in json.loads(denied.value.body)["message"]
+
+
+async def test_cel_validation_rejects_with_the_rules_message(
+    api: client.ApiClient, namespace: str
+) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    group = f"{namespace}.testbed.dynamo.dev"
+    crd: Any = {
+        "metadata": {"name": f"widgets.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {
+                                "spec": {
+                                    "type": "object",
+                                    "properties": {
+                                        "min": {"type": "integer"},
+                                        "max": {"type": "integer"},
+                                    },
+                                    "x-kubernetes-validations": [
+                                        {
+                                            "rule": "self.min <= self.max",
+                                            "message": "spec.min must not exceed spec.max",
+                                        }
+                                    ],
+                                }
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    await ext.create_custom_resource_definition(crd)
+    try:
+        custom = client.CustomObjectsApi(api)
+
+        async def create(spec: dict[str, int], name: str) -> Any:
+            body = {
+                "apiVersion": f"{group}/v1",
+                "kind": "Widget",
+                "metadata": {"name": name},
+                "spec": spec,
+            }
+            return await custom.create_namespaced_custom_object(
+                group, "v1", namespace, "widgets", body
+            )
+
+        # The CRD serves once Established; creating the valid object proves it.
+        await eventually(lambda: create({"min": 1, "max": 2}, "good"), 30)
+        with pytest.raises(ApiException) as refused:
+            await create({"min": 3, "max": 2}, "bad")
+        assert refused.value.status == 422
+        assert "spec.min must not exceed spec.max" in json.loads(refused.value.body)["message"]
+    finally:
+        await ext.delete_custom_resource_definition(f"widgets.{group}")
+
+
+def _http_server_pod(name: str, port: int) -> Any:
+    return {
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "tolerations": [PROCESS_NODE_TOLERATION],
+            "nodeSelector": {"dynamo.dev/node-kind": "process"},
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:3.11",
+                    "command": ["python", "-m", "http.server", str(port)],
+                    "ports": [{"name": "http", "containerPort": port}],
+                    "readinessProbe": {
+                        "httpGet": {"path": "/", "port": "http"},
+                        "periodSeconds": 1,
+                    },
+                }
+            ],
+        },
+    }
+
+
+async def test_process_node_pod_serves_at_its_endpointslice_address(
+    api: client.ApiClient, testbed: Cluster, namespace: str
+) -> None:
+    core, discovery = client.CoreV1Api(api), client.DiscoveryV1Api(api)
+    await core.create_namespaced_pod(namespace, _http_server_pod("web", 8080))
+    service: Any = {
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]},
+    }
+    await core.create_namespaced_service(namespace, service)
+
+    def ready_address(slices: Any) -> str | None:
+        for s in slices.items:
+            for endpoint in s.endpoints or []:
+                if endpoint.conditions.ready:
+                    return str(endpoint.addresses[0])
+        return None
+
+    slices = await eventually(
+        lambda: discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector="kubernetes.io/service-name=web"
+        ),
+        90,
+        until=lambda s: ready_address(s) is not None,
+    )
+    address = ready_address(slices)
+    assert address is not None
+    port = slices.items[0].ports[0].port
+    pod = await core.read_namespaced_pod("web", namespace)
+    assert address == pod.status.pod_ip
+    assert pod.spec.node_name.startswith("process-node")
+
+    def get() -> int:
+        with urllib.request.urlopen(f"http://{address}:{port}/", timeout=5) as resp:
+            return int(resp.status)
+
+    assert await asyncio.to_thread(get) == 200
+
+    netns = network.netns_name(pod.metadata.uid)
+    assert netns in network.namespaces()
+    await core.delete_namespaced_pod("web", namespace)
+    await eventually(lambda: core.list_namespaced_pod(namespace), 60, until=lambda p: not p.items)
+    assert netns not in network.namespaces()
+    assert not _listening(address, port)
+
+
+def _listening(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=3).close()
+    except OSError:
+        return False
+    return True
+
+
+async def test_pod_service_account_token_reaches_the_api_server(
+    api: client.ApiClient, testbed: Cluster, namespace: str
+) -> None:
+    """A process-node pod calls the API server with its mounted, bound token (what a worker
+    pod writing its DynamoWorkerMetadata will do)."""
+    core = client.CoreV1Api(api)
+    script = (
+        "import os, ssl, urllib.request, urllib.error\n"
+        "d = '/var/run/secrets/kubernetes.io/serviceaccount'\n"
+        "token = open(d + '/token').read(); ns = open(d + '/namespace').read()\n"
+        "ctx = ssl.create_default_context(cafile=d + '/ca.crt')\n"
+        "url = 'https://%s:%s/api/v1/namespaces/%s/pods' % (os.environ['KUBERNETES_SERVICE_HOST'],"
+        " os.environ['KUBERNETES_SERVICE_PORT'], ns)\n"
+        "req = urllib.request.Request(url, headers={'Authorization': 'Bearer ' + token})\n"
+        "try:\n"
+        "    urllib.request.urlopen(req, context=ctx)\n"
+        "    raise SystemExit(10)\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print('status', e.code, os.environ['POD_NAME'])\n"
+        "    raise SystemExit(0 if e.code == 403 else 11)\n"
+    )
+    pod: Any = {
+        "metadata": {"name": "token-user"},
+        "spec": {
+            "tolerations": [PROCESS_NODE_TOLERATION],
+            "nodeSelector": {"dynamo.dev/node-kind": "process"},
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:3.11",
+                    "command": ["python", "-c", script],
+                    "env": [
+                        {
+                            "name": "POD_NAME",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                        }
+                    ],
+                }
+            ],
+        },
+    }
+    await core.create_namespaced_pod(namespace, pod)
+    done = await eventually(
+        lambda: core.read_namespaced_pod("token-user", namespace),
+        90,
+        until=lambda p: p.status.phase in ("Succeeded", "Failed"),
+    )
+    # 403 (not 401): the token authenticated as the pod's ServiceAccount, which may not list.
+    state = done.status.container_statuses[0].state.terminated
+    assert done.status.phase == "Succeeded", f"exit {state.exit_code}"
+
+
+async def test_connection_to_a_kwok_pod_fails_at_once(
+    api: client.ApiClient, testbed: Cluster, namespace: str
+) -> None:
+    pod: Any = {
+        "metadata": {"name": "ghost"},
+        "spec": {
+            "nodeSelector": {"type": "kwok"},
+            "containers": [{"name": "main", "image": "registry.invalid/ghost:1"}],
+        },
+    }
+    core = client.CoreV1Api(api)
+    await core.create_namespaced_pod(namespace, pod)
+    running = await eventually(
+        lambda: core.read_namespaced_pod("ghost", namespace), 60, until=_pod_ready
+    )
+    ip = running.status.pod_ip
+    assert ipaddress.ip_address(ip) in GUARDED_RANGE
+    started = time.monotonic()
+    try:
+        socket.create_connection((ip, 80), timeout=10).close()
+        failure: OSError | None = None
+    except OSError as exc:
+        failure = exc
+    elapsed = time.monotonic() - started
+    assert failure is not None, f"something answered at {ip}"
+    # Refused by the host's unreachable route, not a timeout: the packet never left.
+    assert not isinstance(failure, TimeoutError), f"timed out after {elapsed:.1f}s"
+    assert failure.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNREFUSED)
+
+
+def test_kubectl_reports_the_pinned_version(cluster: Cluster) -> None:
+    versions = (REPO / "hack" / "versions.env").read_text()
+    pinned = next(
+        line.split("=", 1)[1] for line in versions.splitlines() if line.startswith("K8S_VERSION=")
+    )
+    out = json.loads(cluster.kubectl("version", "-o", "json").stdout)
+    if cluster.is_testbed:
+        assert out["serverVersion"]["gitVersion"] == pinned
+        assert out["clientVersion"]["gitVersion"] == pinned
+
+
+@pytest.mark.order_last
+def test_down_leaves_nothing_and_up_is_warm(testbed: Cluster) -> None:
+    """`down` stops every process and removes the network; a warm `up` brings it all back.
+
+    Runs last in the session (see conftest ordering) since it restarts the test bed."""
+    pids_dir = Path(testbed.kubeconfig).parent / "pids"
+    pids = [int(p.read_text()) for p in pids_dir.glob("*.pid")]
+    assert pids, "the test bed records its daemons' pids"
+    result = hack_cluster("down")
+    assert result.returncode == 0, result.stderr
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid), f"pid {pid} still runs"
+    assert network.leftovers() == []
+    started = time.monotonic()
+    result = hack_cluster("up")
+    assert result.returncode == 0, result.stderr
+    print(f"warm `hack/cluster up` took {time.monotonic() - started:.1f}s")
+    assert (
+        subprocess.run(
+            [str(REPO / "hack" / "cluster"), "status"], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True

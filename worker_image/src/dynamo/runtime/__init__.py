@@ -1,0 +1,1 @@
+"""What upstream Dynamo does in Rust, in Python: lifecycle, system server, discovery, metrics."""
