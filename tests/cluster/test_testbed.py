@@ -125,7 +125,7 @@ async def test_authorization_is_enforced(
         with pytest.raises(ApiException) as denied:
             await reader.create_namespaced_pod(namespace, pod)
         assert denied.value.status == 403
-        assert "cannot create resource" in json.loads(denied.value.body)["message"]
+        assert "cannot create resource" in json.loads(denied.value.body or b"{}")["message"]
 
 
 async def test_cel_validation_rejects_with_the_rules_message(
@@ -188,7 +188,8 @@ async def test_cel_validation_rejects_with_the_rules_message(
         with pytest.raises(ApiException) as refused:
             await create({"min": 3, "max": 2}, "bad")
         assert refused.value.status == 422
-        assert "spec.min must not exceed spec.max" in json.loads(refused.value.body)["message"]
+        message = json.loads(refused.value.body or b"{}")["message"]
+        assert "spec.min must not exceed spec.max" in message
     finally:
         await ext.delete_custom_resource_definition(f"widgets.{group}")
 
