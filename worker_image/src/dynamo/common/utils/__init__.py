@@ -1,0 +1,1 @@
+"""Small helpers shared across `dynamo.common` (environment parsing, namespaces, endpoints)."""
