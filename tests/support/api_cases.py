@@ -1,0 +1,384 @@
+"""Manifests of DynamoWorker and LoRAAdapter, good and bad, shared by the unit tests (the Python
+models must refuse each bad one) and the cluster tests (the API server must refuse it too).
+
+Each bad case names the field users would have to fix; where a CEL rule refuses it, the case
+also carries the rule's message, which both the models and the API server must report.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+API_VERSION = "dynamo.dev/v1alpha1"
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `patch` merged in recursively (a JSON merge patch without deletions)."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def dynamo_worker(name: str = "llm", spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A minimal valid DynamoWorker, with `spec` merged in."""
+    base = {"model": {"name": "Qwen/Qwen3-0.6B", "source": "hf://Qwen/Qwen3-0.6B@main"}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "DynamoWorker",
+        "metadata": {"name": name},
+        "spec": merge(base, spec or {}),
+    }
+
+
+def lora_adapter(name: str = "sql-adapter", spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A minimal valid LoRAAdapter, with `spec` merged in."""
+    base = {"workerRef": {"name": "llm"}, "source": {"uri": "s3://adapters/sql/v1"}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "LoRAAdapter",
+        "metadata": {"name": name},
+        "spec": merge(base, spec or {}),
+    }
+
+
+FULL_DYNAMO_WORKER = dynamo_worker(
+    "llm-full",
+    {
+        "model": {
+            "name": "Qwen/Qwen3-0.6B",
+            "source": "/models/qwen3-0.6b",
+            "servedModelName": "qwen3",
+            "aliases": ["qwen3-small", "default"],
+        },
+        "image": "registry.example.com/dynamo-worker:1.0",
+        "imagePullPolicy": "IfNotPresent",
+        "replicas": 3,
+        "engine": {"class": "dynamo.engines.reference:ReferenceEngine", "extraArgs": ["--x", "1"]},
+        "resources": {"gpusPerPod": 2, "cpu": 8, "memory": "64Gi", "sharedMemorySize": "16Gi"},
+        "dataParallel": {"size": 2, "startRank": 4},
+        "lora": {"enabled": True, "maxLoras": 8, "cache": {"emptyDir": {"sizeLimit": "20Gi"}}},
+        "tokenBudget": {"combinedLimit": 4096, "rejectPromptOverflow": True},
+        "modelTaints": ["gpu=h100", "team=search"],
+        "drain": {"gracePeriodSeconds": 10, "drainTimeoutSeconds": 600},
+        "credentials": {
+            "s3": {"secretName": "s3-creds", "endpoint": "http://minio.storage:9000"},
+            "huggingFace": {"secretName": "hf-token", "tokenKey": "token"},
+        },
+        "pod": {
+            "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                {"key": "spot", "value": "true", "effect": "NoExecute", "tolerationSeconds": 60},
+            ],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "zone", "operator": "In", "values": ["a"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+            "priorityClassName": "inference",
+            "labels": {"team": "search"},
+            "annotations": {"example.com/owner": "search"},
+            "env": [
+                {"name": "DYN_LOG", "value": "debug"},
+                {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "v"}}},
+                {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            ],
+        },
+        "metrics": {"podMonitor": "Disabled"},
+    },
+)
+
+FULL_LORA_ADAPTER = lora_adapter(
+    "sql-full",
+    {
+        "workerRef": None,
+        "workerSelector": {
+            "matchLabels": {"team": "search"},
+            "matchExpressions": [{"key": "tier", "operator": "In", "values": ["gold"]}],
+        },
+        "adapterName": "sql-expert.v2",
+        "source": {"uri": "hf://org/sql-lora@refs/pr/7", "sha256": "a" * 64},
+        "placement": {"policy": "Count", "replicas": 2},
+        "requiredForReadiness": True,
+    },
+)
+_VALID = [
+    ("dw-minimal", dynamo_worker()),
+    ("dw-full", FULL_DYNAMO_WORKER),
+    (
+        "dw-cpu-dp",
+        dynamo_worker(spec={"resources": {"gpusPerPod": 0}, "dataParallel": {"size": 4}}),
+    ),
+    ("dw-s3-source", dynamo_worker(spec={"model": {"source": "s3://models/qwen"}})),
+    ("dw-file-source", dynamo_worker(spec={"model": {"source": "file:///models/qwen"}})),
+    (
+        "dw-lora-pvc",
+        dynamo_worker(
+            spec={
+                "lora": {
+                    "enabled": True,
+                    "cache": {"persistentVolumeClaim": {"claimName": "loras"}},
+                }
+            }
+        ),
+    ),
+    ("dw-budget-no-reject", dynamo_worker(spec={"tokenBudget": {"combinedLimit": 0}})),
+    ("lora-minimal", lora_adapter()),
+    ("lora-full", FULL_LORA_ADAPTER),
+    ("lora-hf-bare-repo", lora_adapter(spec={"source": {"uri": "hf://gpt2-lora@main"}})),
+    ("lora-file", lora_adapter(spec={"source": {"uri": "file:///adapters/sql"}})),
+]
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """A manifest both the models and the API server refuse.
+
+    `field` is the path the API server reports (and the models' error location); `message`,
+    when set, is the CEL rule's message, reported by both.
+    """
+
+    id: str
+    manifest: dict[str, Any]
+    field: str
+    message: str | None = None
+
+
+_INVALID = [
+    Invalid("dw-replicas-too-many", dynamo_worker(spec={"replicas": 5000}), "spec.replicas"),
+    Invalid(
+        "dw-source-scheme",
+        dynamo_worker(spec={"model": {"source": "gs://bucket/model"}}),
+        "spec.model.source",
+        "spec.model.source: use an absolute path in the pod, s3://, hf:// or file://",
+    ),
+    Invalid(
+        "dw-source-credentials",
+        dynamo_worker(spec={"model": {"source": "s3://AKIAEXAMPLE:s3cr3t@models/qwen"}}),
+        "spec.model.source",
+        "spec.model.source must not contain credentials (user:password@); "
+        "reference a Secret on the DynamoWorker instead",
+    ),
+    Invalid(
+        "dw-dp-beyond-world",
+        dynamo_worker(
+            spec={"resources": {"gpusPerPod": 16}, "dataParallel": {"size": 16, "startRank": 1015}}
+        ),
+        "spec.dataParallel",
+        "spec.dataParallel.startRank + size must not exceed 1024",
+    ),
+    Invalid(
+        "dw-dp-more-ranks-than-gpus",
+        dynamo_worker(spec={"resources": {"gpusPerPod": 2}, "dataParallel": {"size": 4}}),
+        "spec.dataParallel.size",
+        "spec.dataParallel.size must not exceed spec.resources.gpusPerPod",
+    ),
+    Invalid(
+        "dw-maxloras-without-lora",
+        dynamo_worker(spec={"lora": {"maxLoras": 8}}),
+        "spec.lora.maxLoras",
+        "spec.lora.maxLoras requires spec.lora.enabled: true",
+    ),
+    Invalid(
+        "dw-lora-cache-two-kinds",
+        dynamo_worker(
+            spec={
+                "lora": {
+                    "enabled": True,
+                    "cache": {"emptyDir": {}, "persistentVolumeClaim": {"claimName": "loras"}},
+                }
+            }
+        ),
+        "spec.lora.cache",
+        "spec.lora.cache: set exactly one of emptyDir or persistentVolumeClaim",
+    ),
+    Invalid(
+        "dw-budget-zero-rejecting",
+        dynamo_worker(spec={"tokenBudget": {"combinedLimit": 0, "rejectTotalOverflow": True}}),
+        "spec.tokenBudget.combinedLimit",
+        "spec.tokenBudget.combinedLimit must be greater than 0",
+    ),
+    Invalid(
+        "dw-budget-negative",
+        dynamo_worker(spec={"tokenBudget": {"combinedLimit": -1}}),
+        "spec.tokenBudget.combinedLimit",
+    ),
+    Invalid(
+        "dw-topology-taint",
+        dynamo_worker(spec={"modelTaints": ["gpu=h100", "dynamo.topology/zone=a"]}),
+        "spec.modelTaints",
+        "spec.modelTaints: the dynamo.topology/ prefix is reserved",
+    ),
+    Invalid(
+        "dw-taint-with-space",
+        dynamo_worker(spec={"modelTaints": ["gpu h100"]}),
+        "spec.modelTaints[0]",
+    ),
+    Invalid(
+        "dw-engine-class",
+        dynamo_worker(spec={"engine": {"class": "not a class"}}),
+        "spec.engine.class",
+    ),
+    Invalid(
+        "dw-memory", dynamo_worker(spec={"resources": {"memory": "lots"}}), "spec.resources.memory"
+    ),
+    Invalid(
+        "dw-pod-monitor-mode",
+        dynamo_worker(spec={"metrics": {"podMonitor": "Sometimes"}}),
+        "spec.metrics.podMonitor",
+    ),
+    Invalid(
+        "dw-alias-repeats-name",
+        dynamo_worker(spec={"model": {"aliases": ["Qwen/Qwen3-0.6B"]}}),
+        "spec.model.aliases",
+        "spec.model.aliases must not repeat the served model name",
+    ),
+    Invalid(
+        "dw-reserved-label",
+        dynamo_worker(spec={"pod": {"labels": {"dynamo.dev/worker": "x"}}}),
+        "spec.pod.labels",
+        "spec.pod.labels: keys under dynamo.dev/ and nvidia.com/dynamo- are set by the operator",
+    ),
+    Invalid(
+        "dw-env-value-and-source",
+        dynamo_worker(
+            spec={
+                "pod": {
+                    "env": [
+                        {
+                            "name": "X",
+                            "value": "1",
+                            "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.pod.env[0]",
+        "spec.pod.env[]: set value or valueFrom, not both",
+    ),
+    Invalid(
+        "dw-env-empty-source",
+        dynamo_worker(spec={"pod": {"env": [{"name": "X", "valueFrom": {}}]}}),
+        "spec.pod.env[0].valueFrom",
+        "spec.pod.env[].valueFrom: set exactly one of",
+    ),
+    Invalid(
+        "dw-toleration-exists-with-value",
+        dynamo_worker(
+            spec={"pod": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}}
+        ),
+        "spec.pod.tolerations[0]",
+        "spec.pod.tolerations[].value must be empty when operator is Exists",
+    ),
+    Invalid(
+        "dw-s3-endpoint-credentials",
+        dynamo_worker(
+            spec={"credentials": {"s3": {"secretName": "s3", "endpoint": "http://u:p@minio:9000"}}}
+        ),
+        "spec.credentials.s3.endpoint",
+        "spec.credentials.s3.endpoint: use http://host[:port] or https://host[:port]",
+    ),
+    Invalid(
+        "dw-name-with-dot",
+        dynamo_worker(name="llm.v1"),
+        "metadata.name",
+        "metadata.name: a DynamoWorker name has at most 50 characters",
+    ),
+    Invalid("dw-unknown-field", dynamo_worker(spec={"replica": 3}), "spec.replica"),
+    Invalid(
+        "lora-no-target",
+        lora_adapter(spec={"workerRef": None}),
+        "spec",
+        "spec: set exactly one of workerRef or workerSelector",
+    ),
+    Invalid(
+        "lora-two-targets",
+        lora_adapter(spec={"workerSelector": {"matchLabels": {"a": "b"}}}),
+        "spec",
+        "spec: set exactly one of workerRef or workerSelector",
+    ),
+    Invalid(
+        "lora-https-uri",
+        lora_adapter(spec={"source": {"uri": "https://example.com/adapter.tar"}}),
+        "spec.source.uri",
+        "spec.source.uri: use s3://, hf:// or file://",
+    ),
+    Invalid(
+        "lora-uri-credentials",
+        lora_adapter(spec={"source": {"uri": "s3://AKIAEXAMPLE:s3cr3t@adapters/sql"}}),
+        "spec.source.uri",
+        "spec.source.uri must not contain credentials (user:password@); "
+        "reference a Secret on the DynamoWorker instead",
+    ),
+    Invalid(
+        "lora-hf-shape",
+        lora_adapter(spec={"source": {"uri": "hf://org/repo/extra path"}}),
+        "spec.source.uri",
+        "spec.source.uri: hf:// URIs take the form hf://org/repo",
+    ),
+    Invalid(
+        "lora-file-relative",
+        lora_adapter(spec={"source": {"uri": "file://adapters/sql"}}),
+        "spec.source.uri",
+        "spec.source.uri: file:// URIs take an absolute path",
+    ),
+    Invalid(
+        "lora-sha256-shape",
+        lora_adapter(spec={"source": {"sha256": "ABCDEF"}}),
+        "spec.source.sha256",
+    ),
+    Invalid(
+        "lora-count-without-replicas",
+        lora_adapter(spec={"placement": {"policy": "Count"}}),
+        "spec.placement.replicas",
+        "spec.placement.replicas is required when spec.placement.policy is Count",
+    ),
+    Invalid(
+        "lora-replicas-without-count",
+        lora_adapter(spec={"placement": {"replicas": 2}}),
+        "spec.placement.replicas",
+        "spec.placement.replicas is only used with policy: Count",
+    ),
+    Invalid(
+        "lora-adapter-name", lora_adapter(spec={"adapterName": "sql expert"}), "spec.adapterName"
+    ),
+    Invalid(
+        "lora-selector-in-without-values",
+        lora_adapter(
+            spec={
+                "workerRef": None,
+                "workerSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]},
+            }
+        ),
+        "spec.workerSelector.matchExpressions[0]",
+        "matchExpressions[].values: In and NotIn need values",
+    ),
+]
+
+
+def without_nulls(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with None values removed (the cases use None to drop a base field)."""
+    return {
+        k: without_nulls(v) if isinstance(v, dict) else v
+        for k, v in manifest.items()
+        if v is not None
+    }
+
+
+VALID = [(case_id, without_nulls(m)) for case_id, m in _VALID]
+INVALID = [Invalid(c.id, without_nulls(c.manifest), c.field, c.message) for c in _INVALID]
