@@ -16,6 +16,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
+def _sysctl(key: str, value: str) -> None:
+    path = "/proc/sys/" + key.replace(".", "/")
+    with open(path, "w") as f:
+        f.write(value)
+
+
 def setup_host() -> None:
     """Give the host its gateway address and hold the whole range as unreachable."""
     if GATEWAY_IP not in _ip("-4", "addr", "show", "dev", "lo").stdout:
@@ -47,8 +53,13 @@ def create_pod_network(pod_uid: str, pod_ip: str) -> str:
     _ip("-n", ns, "link", "set", "eth0", "up")
     _ip("-n", ns, "addr", "add", f"{pod_ip}/32", "dev", "eth0")
     _ip("-n", ns, "route", "add", GATEWAY_IP, "dev", "eth0")
-    _ip("-n", ns, "route", "add", "default", "via", GATEWAY_IP, "dev", "eth0")
+    # No default route: a pod reaches the guarded range (other pods, the API server, test
+    # services) and nothing else, so nothing it sends can leave the machine.
+    _ip("-n", ns, "route", "add", str(GUARDED_RANGE), "via", GATEWAY_IP, "dev", "eth0")
     _ip("route", "replace", f"{pod_ip}/32", "dev", veth, "src", GATEWAY_IP)
+    # Forward what arrives from this pod (to another pod's /32 route) without turning on
+    # forwarding for the machine's other interfaces.
+    _sysctl(f"net.ipv4.conf.{veth}.forwarding", "1")
     return ns
 
 

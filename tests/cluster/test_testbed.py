@@ -257,6 +257,34 @@ async def test_process_node_pod_serves_at_its_endpointslice_address(
 
     netns = network.netns_name(pod.metadata.uid)
     assert netns in network.namespaces()
+    routes = (
+        await asyncio.to_thread(
+            subprocess.run, ["ip", "-n", netns, "route"], capture_output=True, text=True
+        )
+    ).stdout
+    assert "default" not in routes, f"a pod must reach only the guarded range: {routes}"
+
+    # Another pod reaches this one at its pod IP, as a frontend reaches its workers.
+    fetch = f"import urllib.request; urllib.request.urlopen('http://{address}:{port}/', timeout=5)"
+    client_pod: Any = {
+        "metadata": {"name": "client"},
+        "spec": {
+            "tolerations": [PROCESS_NODE_TOLERATION],
+            "nodeSelector": {"dynamo.dev/node-kind": "process"},
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "main", "image": "python:3.11", "command": ["python", "-c", fetch]}
+            ],
+        },
+    }
+    await core.create_namespaced_pod(namespace, client_pod)
+    finished = await eventually(
+        lambda: core.read_namespaced_pod("client", namespace),
+        60,
+        until=lambda p: p.status.phase in ("Succeeded", "Failed"),
+    )
+    assert finished.status.phase == "Succeeded"
+    await core.delete_namespaced_pod("client", namespace)
     await core.delete_namespaced_pod("web", namespace)
     await eventually(lambda: core.list_namespaced_pod(namespace), 60, until=lambda p: not p.items)
     assert netns not in network.namespaces()
