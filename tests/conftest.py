@@ -6,8 +6,9 @@ import pytest
 
 from support.cluster import api, cluster, namespace, testbed
 from support.s3 import s3_server
+from support.tiny_model import tiny_model
 
-__all__ = ["api", "cluster", "namespace", "s3_server", "testbed"]
+__all__ = ["api", "cluster", "namespace", "s3_server", "testbed", "tiny_model"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -231,11 +231,6 @@ def test_cli_prints_every_crd_as_multi_document_yaml() -> None:
     assert documents == crd.all_crds()
 
 
-def test_cli_run_is_not_implemented_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["run"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
-
-
 def test_models_that_cannot_be_structural_are_refused() -> None:
     class Union(BaseModel):
         value: int | str = Field(description="either")

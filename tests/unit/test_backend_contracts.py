@@ -600,7 +600,10 @@ def test_expfmt_exclude_prefixes_and_errors(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_ensure_prometheus_multiproc_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    # setenv first so monkeypatch records the original state and undoes what the function
+    # under test writes into os.environ itself.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "placeholder")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     directory = metrics.ensure_prometheus_multiproc_dir("dyn-test-")
     assert directory is not None
     try:

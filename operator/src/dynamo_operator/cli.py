@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+CRASH_AFTER_WRITES_ENV = "DYNAMO_OPERATOR_CRASH_AFTER_WRITES"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,8 +20,76 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the CRDs (DynamoWorker, LoRAAdapter, and upstream's "
         "DynamoWorkerMetadata) as multi-document YAML, e.g. for `kubectl apply -f -`.",
     )
-    commands.add_parser("run", help="run the operator (not implemented yet)")
+    run = commands.add_parser(
+        "run",
+        help="run the operator",
+        description="Run the operator against the cluster of the in-cluster service account, "
+        "or of KUBECONFIG.",
+    )
+    scope = run.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="watch this namespace (repeat for more)",
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    verbosity = run.add_mutually_exclusive_group()
+    verbosity.add_argument("--verbose", "-v", action="store_true", help="log debug details")
+    verbosity.add_argument("--quiet", "-q", action="store_true", help="log warnings only")
+    run.add_argument(
+        "--worker-image",
+        default=os.environ.get("DYNAMO_WORKER_IMAGE"),
+        help="worker image for DynamoWorkers without spec.image (env DYNAMO_WORKER_IMAGE)",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="port of the operator's /metrics (-1: none; default 8080)",
+    )
+    run.add_argument(
+        "--health-port", type=int, default=8081, help="port of /healthz (default 8081)"
+    )
+    run.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=30.0,
+        help="reconcile every DynamoWorker at least this often (default 30)",
+    )
+    run.add_argument(
+        "--no-install-crds",
+        dest="install_crds",
+        action="store_false",
+        help="do not install or update the CRDs at startup (install them with the chart)",
+    )
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Imported here: kopf and the client are only needed to run.
+    from dynamo_operator.handlers import OperatorConfig, configure_logging, run
+
+    crash = os.environ.get(CRASH_AFTER_WRITES_ENV)
+    try:
+        config = OperatorConfig(
+            namespaces=tuple(args.namespaces or ()),
+            all_namespaces=args.all_namespaces,
+            worker_image=args.worker_image,
+            metrics_port=args.metrics_port,
+            health_port=args.health_port,
+            resync_seconds=args.resync_seconds,
+            install_crds=args.install_crds,
+            crash_after_writes=int(crash) if crash else None,
+        )
+    except ValueError as err:
+        print(f"dynamo-operator run: {err}", file=sys.stderr)
+        return 2
+    configure_logging(verbose=args.verbose, quiet=args.quiet)
+    run(config)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(multi_document_yaml())
         return 0
     if args.command == "run":
-        print(
-            "dynamo-operator run: not implemented yet (the operator lands with its own issue)",
-            file=sys.stderr,
-        )
-        return 2
+        return _run(args)
     parser.print_help(sys.stderr)
     return 2
 

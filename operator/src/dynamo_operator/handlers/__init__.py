@@ -1,1 +1,53 @@
-"""kopf handlers: glue only (parse, call reconcile, write status)."""
+"""kopf handlers: glue only (the only package that imports kopf).
+
+`run(config)` builds a registry with every handler, the kopf settings and the shared context,
+and runs kopf until it is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import kopf
+
+from dynamo_operator.handlers import dynamoworker, lifecycle
+from dynamo_operator.handlers.context import OperatorConfig, OperatorContext
+
+
+def build_registry() -> kopf.OperatorRegistry:
+    """A registry holding all of the operator's handlers."""
+    registry = kopf.OperatorRegistry()
+    lifecycle.register(registry)
+    dynamoworker.register(registry)
+    return registry
+
+
+def configure_logging(verbose: bool, quiet: bool) -> None:
+    """kopf's log format and level (INFO; DEBUG when verbose, WARNING when quiet) for all."""
+    kopf.configure(verbose=verbose, quiet=quiet)
+    # kopf logs every handler run at INFO ("Handler 'pod_changed' succeeded"), once per watch
+    # event; keep that for --verbose. The operator's own messages use their module loggers.
+    if not verbose:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+
+
+async def operate(config: OperatorConfig) -> None:
+    """Run the operator in the current event loop until it is stopped."""
+    await kopf.operator(
+        registry=build_registry(),
+        settings=lifecycle.operator_settings(),
+        memo=OperatorContext(config),
+        standalone=True,
+        clusterwide=config.all_namespaces,
+        namespaces=list(config.namespaces),
+        liveness_endpoint=f"http://{config.health_host}:{config.health_port}/healthz",
+    )
+
+
+def run(config: OperatorConfig) -> None:
+    """Run the operator until SIGINT or SIGTERM."""
+    asyncio.run(operate(config))
+
+
+__all__ = ["OperatorConfig", "OperatorContext", "build_registry", "operate", "run"]

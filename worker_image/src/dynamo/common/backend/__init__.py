@@ -1,7 +1,5 @@
-"""The unified engine contract: engines, their registration metadata, and helpers.
-
-The `Worker` that serves an engine arrives with the worker runtime.
-"""
+"""The unified engine contract: engines, their registration metadata, helpers, and the
+`Worker` that serves an engine."""
 
 from dynamo.common.backend.engine import (
     BaseEngine,
@@ -22,7 +20,7 @@ from dynamo.common.backend.logits_processing import (
 )
 from dynamo.common.backend.model_input import ModelInput
 from dynamo.common.backend.publisher import ComponentSnapshot, KvEventSource, PushSource, ZmqSource
-from dynamo.common.backend.worker import WorkerConfig
+from dynamo.common.backend.worker import Worker, WorkerConfig
 
 __all__ = [
     "BaseEngine",
@@ -42,6 +40,7 @@ __all__ = [
     "RawEngine",
     "RawRequest",
     "RawResponseChunk",
+    "Worker",
     "WorkerConfig",
     "ZmqSource",
 ]

@@ -1,18 +1,23 @@
-"""`WorkerConfig`: how a worker registers and serves one engine.
+"""`WorkerConfig` (how a worker registers and serves one engine) and `Worker` (runs it).
 
-The `Worker` that drives an engine through its lifecycle arrives with the worker
-runtime; this module holds the configuration it consumes.
+`Worker(engine, config).run()` drives the engine through upstream's unified lifecycle. The
+lifecycle itself lives in `dynamo.runtime` (upstream: Rust); `run()` reads the runtime's
+settings from the environment (`dynamo.runtime.settings.RuntimeSettings`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo.common.backend.health_check import parse_health_check_payload_cli
 from dynamo.common.backend.model_input import ModelInput
 from dynamo.common.constants import DisaggregationMode
+
+if TYPE_CHECKING:
+    from dynamo.common.backend.engine import BaseEngine
 
 # Frontend-side media decoding/fetching settings, provided by the runtime bindings.
 MediaDecoder = Any
@@ -139,3 +144,31 @@ class WorkerConfig:
         )
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+class Worker:
+    """Drive one engine instance: start it, serve it, shut it down on SIGTERM/SIGINT.
+
+    Accepts any `BaseEngine`: an `LLMEngine` (token pipeline) or a `RawEngine`/
+    `DiffusionEngine` (raw media pipeline); `config.model_input` is validated against the
+    engine kind.
+    """
+
+    def __init__(self, engine: BaseEngine, config: WorkerConfig) -> None:
+        self.engine = engine
+        self.config = config
+
+    async def run(self) -> None:
+        """Run until a shutdown signal has been handled (startup errors raise).
+
+        Exits the process with 911 when graceful shutdown overruns its hard deadline.
+        """
+        # Imported here: the runtime imports this package, not the other way round.
+        from dynamo.runtime.lifecycle import WorkerRuntime
+        from dynamo.runtime.settings import RuntimeSettings
+
+        if not logging.getLogger().handlers:
+            logging.basicConfig(
+                level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+            )
+        await WorkerRuntime(self.engine, self.config, RuntimeSettings.from_env()).run()

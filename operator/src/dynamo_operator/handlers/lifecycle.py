@@ -1,0 +1,99 @@
+"""kopf settings, startup and cleanup, login, and the liveness probes.
+
+Settings are deliberate rather than kopf's defaults:
+- our finalizer name and `dynamo.dev/` annotations for kopf's progress and diff-base records
+  (changing storage later can duplicate work, so they are fixed from day one);
+- only WARNING and above from kopf's own log become Kubernetes Events (the reconciler
+  records its own Events for condition transitions);
+- watches: the API server is asked to end each watch after `WATCH_SERVER_TIMEOUT_SECONDS`
+  (kopf re-watches from the last resourceVersion), the client gives up a little later, and
+  a stream silent for `WATCH_INACTIVITY_SECONDS` (no event and no bookmark) is reconnected;
+- standalone: one active operator, no peering objects (the chart runs one replica with the
+  Recreate strategy);
+- no cluster scanning: the operator's resources are discovered once at startup, after it has
+  installed its CRDs, so it needs no cluster-wide CRD and namespace watch permissions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from dynamo_operator.handlers.context import OperatorContext
+from dynamo_operator.reconcile.labels import FINALIZER
+
+ANNOTATION_PREFIX = "dynamo.dev"
+WATCH_SERVER_TIMEOUT_SECONDS = 300
+WATCH_CLIENT_TIMEOUT_SECONDS = 330
+WATCH_CONNECT_TIMEOUT_SECONDS = 30
+WATCH_INACTIVITY_SECONDS = 70
+REQUEST_TIMEOUT_SECONDS = 60
+# After this long, the watchers for DynamoWorkers must exist, or the liveness probe fails.
+WATCHER_STARTUP_GRACE_SECONDS = 30.0
+WATCHER_TASK_PREFIX = "watcher for dynamoworkers.v1alpha1.dynamo.dev@"
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    """kopf's settings for this operator."""
+    settings = kopf.OperatorSettings()
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_SECONDS
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_SECONDS
+    settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT_SECONDS
+    settings.watching.inactivity_timeout = WATCH_INACTIVITY_SECONDS
+    settings.networking.request_timeout = REQUEST_TIMEOUT_SECONDS
+    settings.networking.connect_timeout = WATCH_CONNECT_TIMEOUT_SECONDS
+    settings.peering.standalone = True
+    settings.scanning.disabled = True
+    return settings
+
+
+def watcher_problem(task_names: list[str], namespaces: tuple[str, ...]) -> str | None:
+    """Why the DynamoWorker watchers look dead, or None when one runs per namespace."""
+    running = {
+        n[len(WATCHER_TASK_PREFIX) :] for n in task_names if n.startswith(WATCHER_TASK_PREFIX)
+    }
+    expected = set(namespaces) if namespaces else {"None"}
+    missing = sorted(expected - running)
+    if missing:
+        return f"no DynamoWorker watch is running for namespace(s) {', '.join(missing)}"
+    return None
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register startup, cleanup, login and probes on `registry`."""
+
+    @kopf.on.login(id="login", registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(id="start", registry=registry)
+    async def start(memo: OperatorContext, **_: Any) -> None:
+        await memo.start()
+
+    @kopf.on.cleanup(id="stop", registry=registry)
+    async def stop(memo: OperatorContext, **_: Any) -> None:
+        await memo.stop()
+
+    @kopf.on.probe(id="watching", registry=registry)
+    async def watching(memo: OperatorContext, **_: Any) -> str:
+        # A watcher task that died leaves the operator running but deaf (kopf #1276); only a
+        # restart brings it back, so the liveness probe fails.
+        if time.monotonic() - memo.started_at < WATCHER_STARTUP_GRACE_SECONDS:
+            return "starting"
+        names = [task.get_name() for task in asyncio.all_tasks()]
+        problem = watcher_problem(names, memo.config.namespaces)
+        if problem is not None:
+            raise kopf.PermanentError(problem)
+        return "ok"

@@ -1,0 +1,234 @@
+"""A thin client over kubernetes_asyncio: server-side apply, reads, status patches, events and
+CRD checks, each request counted.
+
+Requests go through `ApiClient.call_api` with explicit paths (see `k8s.kinds`) rather than the
+generated per-kind APIs: one code path for every kind, plain dicts in and out, and one place
+to count requests. Every write is counted per kind and verb (`OperatorMetrics.api_requests`),
+which is how tests assert that a converged cluster sees no writes.
+
+For fault-injection tests, `crash_after_writes=N` makes the process exit at once (no cleanup,
+as a SIGKILL would) right after its N-th successful write to a namespaced object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from dynamo_operator.k8s.kinds import CRD, EVENT, Kind, kind_of
+from dynamo_operator.metrics import WRITE_VERBS, OperatorMetrics
+
+logger = logging.getLogger(__name__)
+
+FIELD_MANAGER = "dynamo-operator"
+CRASH_EXIT_CODE = 86
+APPLY_PATCH = "application/apply-patch+yaml"
+MERGE_PATCH = "application/merge-patch+json"
+JSON = "application/json"
+
+
+class ApiError(Exception):
+    """The API server refused a request (`status` 0: no answer at all)."""
+
+    def __init__(self, status: int, reason: str, message: str, what: str) -> None:
+        super().__init__(f"{what}: {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.what = what
+
+    @property
+    def retryable(self) -> bool:
+        """Whether trying again later may succeed without anyone changing anything."""
+        return self.status in (0, 409, 429) or self.status >= 500
+
+
+def _api_error(exc: ApiException, what: str) -> ApiError:
+    message, reason = str(exc.reason or ""), str(exc.reason or "")
+    try:
+        body = json.loads(exc.body or "{}")
+        message = str(body.get("message") or message)
+        reason = str(body.get("reason") or reason)
+    except (ValueError, AttributeError):
+        pass
+    return ApiError(int(exc.status or 0), reason, message, what)
+
+
+async def connect(kubeconfig: str | None = None) -> client.ApiClient:
+    """An ApiClient for the in-cluster service account, else the kubeconfig (the KUBECONFIG
+    environment variable or ~/.kube/config when `kubeconfig` is None)."""
+    cfg = client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        # Read KUBECONFIG now: the client library reads it once, at import.
+        path = kubeconfig or os.environ.get("KUBECONFIG") or None
+        await config.load_kube_config(config_file=path, client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
+class Cluster:
+    """The operator's requests to the API server."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        metrics: OperatorMetrics | None = None,
+        *,
+        request_timeout_seconds: float = 30.0,
+        crash_after_writes: int | None = None,
+    ) -> None:
+        self._api = api
+        self._metrics = metrics
+        self._timeout = request_timeout_seconds
+        self._crash_after = crash_after_writes
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self._namespaced_writes = 0
+
+    @property
+    def writes(self) -> int:
+        """Write requests made so far (all kinds)."""
+        return sum(n for (verb, _), n in self.requests.items() if verb in WRITE_VERBS)
+
+    def _count(self, verb: str, kind: Kind) -> None:
+        self.requests[(verb, kind.kind)] += 1
+        if self._metrics is not None:
+            self._metrics.api_requests.labels(verb=verb, kind=kind.kind).inc()
+
+    def _after_write(self, kind: Kind) -> None:
+        if not kind.namespaced or self._crash_after is None:
+            return
+        self._namespaced_writes += 1
+        if self._namespaced_writes >= self._crash_after:
+            logger.warning("Crashing on purpose after %d writes", self._namespaced_writes)
+            logging.shutdown()
+            os._exit(CRASH_EXIT_CODE)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = JSON,
+    ) -> dict[str, Any]:
+        try:
+            result = await self._api.call_api(
+                path,
+                method,
+                query_params=query or [],
+                header_params={"Accept": JSON, "Content-Type": content_type},
+                body=body,
+                auth_settings=["BearerToken"],
+                response_types_map={200: "object", 201: "object", 202: "object"},
+                _return_http_data_only=True,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as exc:
+            raise _api_error(exc, what) from None
+        except (OSError, TimeoutError) as exc:
+            raise ApiError(0, type(exc).__name__, str(exc) or "no answer", what) from None
+        return dict(result or {})
+
+    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        self._count("get", kind)
+        try:
+            return await self._call("GET", kind.path(namespace, name), f"get {kind.kind} {name}")
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def list(
+        self, kind: Kind, namespace: str | None, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The objects of a kind (in one namespace), optionally selected by labels."""
+        self._count("list", kind)
+        query = [("labelSelector", label_selector)] if label_selector else []
+        result = await self._call(
+            "GET", kind.collection_path(namespace), f"list {kind.plural}", query=query
+        )
+        return list(result.get("items") or [])
+
+    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply `manifest` as the operator's field manager, taking over conflicting
+        fields (`force`): the operator is the one writer of the fields it sets."""
+        kind = kind_of(dict(manifest))
+        meta = manifest["metadata"]
+        name, namespace = meta["name"], meta.get("namespace")
+        self._count("apply", kind)
+        result = await self._call(
+            "PATCH",
+            kind.path(namespace, name),
+            f"apply {kind.kind} {name}",
+            body=dict(manifest),
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type=APPLY_PATCH,
+        )
+        self._after_write(kind)
+        return result
+
+    async def delete(self, kind: Kind, namespace: str | None, name: str, uid: str) -> bool:
+        """Delete the object if it is still the one with `uid` (a precondition, so a newer
+        object of the same name is never deleted by mistake). False when already gone."""
+        self._count("delete", kind)
+        body = {"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
+        try:
+            await self._call(
+                "DELETE", kind.path(namespace, name), f"delete {kind.kind} {name}", body=body
+            )
+        except ApiError as err:
+            if err.status in (404, 409):
+                return False
+            raise
+        self._after_write(kind)
+        return True
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON-merge-patch the status subresource with `{"status": patch}`."""
+        self._count("patch-status", kind)
+        result = await self._call(
+            "PATCH",
+            kind.path(namespace, name) + "/status",
+            f"patch {kind.kind} {name} status",
+            body={"status": dict(patch)},
+            content_type=MERGE_PATCH,
+        )
+        self._after_write(kind)
+        return result
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        """Record an events.k8s.io/v1 Event."""
+        self._count("create", EVENT)
+        await self._call("POST", EVENT.collection_path(namespace), "create Event", body=dict(event))
+        self._after_write(EVENT)
+
+    async def crd_exists(self, name: str) -> bool:
+        """Whether the CustomResourceDefinition `name` is installed."""
+        return await self.get(CRD, None, name) is not None
+
+    async def create_crd_if_absent(self, manifest: Mapping[str, Any]) -> bool:
+        """Create a CRD unless one of that name exists (whoever installed it); True if created."""
+        name = manifest["metadata"]["name"]
+        if await self.crd_exists(name):
+            return False
+        self._count("create", CRD)
+        try:
+            await self._call("POST", CRD.collection_path(), f"create CRD {name}", body=manifest)
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+        return True

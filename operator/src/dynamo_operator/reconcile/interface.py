@@ -1,0 +1,136 @@
+"""The worker runtime's interface as the operator drives it: command, arguments, env var names,
+ports, probe paths, mount paths, and the shutdown arithmetic.
+
+This is the one table to change when the runtime's CLI (`dynamo-worker`,
+worker_image/src/dynamo/runtime/cli.py) changes. Env names and ports are upstream Dynamo's
+(its Rust runtime reads the same ones), so an upstream worker image driven by this operator
+behaves the same way.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from dynamo_operator.api.dynamoworker import Drain, DynamoWorkerSpec
+
+CONTAINER_NAME = "main"
+COMMAND = ["dynamo-worker"]
+# DYN_COMPONENT: upstream's operator sets the component's type; ours are all workers.
+COMPONENT = "worker"
+DISCOVERY_BACKEND = "kubernetes"
+
+SYSTEM_PORT = 9090
+SYSTEM_PORT_NAME = "system"
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+LIVE_PATH = "/live"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+MODEL_TAINTS_PATH = "/engine/update/model_taints"
+
+# Writable places under a read-only root filesystem, each an emptyDir (or the LoRA cache's
+# PVC): /tmp and HOME, the model download cache, LoRA adapters, and the in-memory /dev/shm.
+TMP_PATH = "/tmp"  # an emptyDir of the pod's own
+CACHE_PATH = "/var/cache/dynamo"
+HF_HOME_PATH = f"{CACHE_PATH}/huggingface"
+LORA_PATH = "/var/lib/dynamo/loras"
+SHM_PATH = "/dev/shm"
+
+# Non-root identity for the worker (a restricted pod must not run as root); fsGroup makes
+# volumes, the LoRA PVC included, writable by it.
+RUN_AS_USER = 1000
+RUN_AS_GROUP = 1000
+
+# Probe timings: upstream's worker defaults. The startup probe allows 720 x 10 s = 2 h for
+# model and adapter loading before the liveness probe takes over.
+LIVENESS = {"periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 1}
+READINESS = {"periodSeconds": 10, "timeoutSeconds": 4, "failureThreshold": 3}
+STARTUP = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 720}
+STARTUP_BUDGET_SECONDS = STARTUP["periodSeconds"] * STARTUP["failureThreshold"]
+
+# Shutdown arithmetic. On SIGTERM the runtime turns /health to 503, sleeps the grace period,
+# drains for up to min(DYN_PREFILL_DRAIN_TIMEOUT_S, DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT - 5),
+# runs cleanup, and exits 911 if all that takes longer than
+# DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT + grace. So the shutdown timeout is drain + a cleanup
+# margin (at least the runtime's 5 s reserve, so the drain budget is the full drain timeout),
+# and the pod's terminationGracePeriodSeconds adds a kill margin on top, so that the kubelet's
+# SIGKILL never lands before the runtime's own deadline.
+CLEANUP_MARGIN_SECONDS = 15
+KILL_MARGIN_SECONDS = 5
+RUNTIME_DRAIN_RESERVE_SECONDS = 5
+assert CLEANUP_MARGIN_SECONDS >= RUNTIME_DRAIN_RESERVE_SECONDS
+
+
+class Env(StrEnum):
+    """Environment variables the worker runtime reads."""
+
+    NAMESPACE = "DYN_NAMESPACE"
+    COMPONENT = "DYN_COMPONENT"
+    SYSTEM_PORT = "DYN_SYSTEM_PORT"
+    HTTP_PORT = "DYN_HTTP_PORT"
+    DISCOVERY_BACKEND = "DYN_DISCOVERY_BACKEND"
+    LORA_ENABLED = "DYN_LORA_ENABLED"
+    LORA_PATH = "DYN_LORA_PATH"
+    MAX_LORAS = "DYN_MAX_LORAS"
+    GRACE_PERIOD = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
+    PREFILL_DRAIN_TIMEOUT = "DYN_PREFILL_DRAIN_TIMEOUT_S"
+    SHUTDOWN_TIMEOUT = "DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT"
+    TOKEN_BUDGET_COMBINED_LIMIT = "DYN_TOKEN_BUDGET_COMBINED_LIMIT"
+    TOKEN_BUDGET_REJECT_PROMPT = "DYN_TOKEN_BUDGET_REJECT_PROMPT_OVERFLOW"
+    TOKEN_BUDGET_REJECT_TOTAL = "DYN_TOKEN_BUDGET_REJECT_TOTAL_OVERFLOW"
+    POD_NAME = "POD_NAME"
+    POD_NAMESPACE = "POD_NAMESPACE"
+    POD_UID = "POD_UID"
+    POD_IP = "POD_IP"
+    HOME = "HOME"
+    HF_HOME = "HF_HOME"
+    AWS_ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
+    AWS_SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
+    AWS_SESSION_TOKEN = "AWS_SESSION_TOKEN"
+    AWS_ENDPOINT_URL = "AWS_ENDPOINT_URL"
+    AWS_REGION = "AWS_REGION"
+    HF_TOKEN = "HF_TOKEN"
+
+
+# Downward-API env: what each pod learns about itself.
+DOWNWARD_ENV = {
+    Env.POD_NAME: "metadata.name",
+    Env.POD_NAMESPACE: "metadata.namespace",
+    Env.POD_UID: "metadata.uid",
+    Env.POD_IP: "status.podIP",
+}
+
+
+def dynamo_namespace(namespace: str, worker: str) -> str:
+    """DYN_NAMESPACE, upstream's convention `<kubernetes namespace>-<deployment name>`."""
+    return f"{namespace}-{worker}"
+
+
+def shutdown_timeout_seconds(drain: Drain) -> int:
+    """DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT: the drain plus the cleanup margin."""
+    return drain.drain_timeout_seconds + CLEANUP_MARGIN_SECONDS
+
+
+def termination_grace_period_seconds(drain: Drain) -> int:
+    """The pod's terminationGracePeriodSeconds: grace + drain + cleanup + kill margins, so it is
+    never shorter than what spec.drain asks for."""
+    return drain.grace_period_seconds + shutdown_timeout_seconds(drain) + KILL_MARGIN_SECONDS
+
+
+def worker_args(spec: DynamoWorkerSpec) -> list[str]:
+    """`dynamo-worker` arguments: the model and the name clients use, the engine, the
+    data-parallel layout; spec.engine.extraArgs after `--` (the worker hands them to the
+    engine). Aliases are not passed: the worker has no option for them yet."""
+    args = ["--model", spec.model.source, "--served-model-name", spec.model.served_name]
+    if spec.engine.engine_class is not None:
+        args += ["--engine", spec.engine.engine_class]
+    if spec.data_parallel.size != 1 or spec.data_parallel.start_rank != 0:
+        args += [
+            "--data-parallel-size",
+            str(spec.data_parallel.size),
+            "--data-parallel-start-rank",
+            str(spec.data_parallel.start_rank),
+        ]
+    if spec.engine.extra_args:
+        args += ["--", *spec.engine.extra_args]
+    return args

@@ -1,0 +1,81 @@
+"""Names, labels and annotations of a DynamoWorker's children.
+
+Children get deterministic names derived from the DynamoWorker's name, so a re-run after a
+crash finds (and applies over) what an earlier run created instead of making a second copy.
+"""
+
+from __future__ import annotations
+
+from dynamo_operator.api.common import API_VERSION
+
+PREFIX = "dynamo.dev/"
+FINALIZER = f"{PREFIX}finalizer"
+WORKER_LABEL = f"{PREFIX}worker"
+# A hash of the manifest the operator last applied; see `reconcile.converge`.
+APPLIED_HASH_ANNOTATION = f"{PREFIX}applied-hash"
+MANAGED_BY = "dynamo-operator"
+PART_OF = "dynamo"
+# Upstream Dynamo's Kubernetes discovery lists a worker only while its pod is Ready behind an
+# EndpointSlice carrying these labels (the EndpointSlice controller copies them from the
+# Service); the pod template carries them too, as upstream's operator does.
+DISCOVERY_LABELS = {
+    "nvidia.com/dynamo-discovery-backend": "kubernetes",
+    "nvidia.com/dynamo-discovery-enabled": "true",
+}
+OWNER_KIND = "DynamoWorker"
+
+
+def common_labels(worker: str) -> dict[str, str]:
+    """Labels on every child of the DynamoWorker named `worker`."""
+    return {
+        "app.kubernetes.io/name": "dynamo-worker",
+        "app.kubernetes.io/instance": worker,
+        "app.kubernetes.io/component": "worker",
+        "app.kubernetes.io/part-of": PART_OF,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        WORKER_LABEL: worker,
+    }
+
+
+def selector_labels(worker: str) -> dict[str, str]:
+    """The labels that select the worker's pods. A Deployment's selector is immutable, so this
+    stays one label that never changes for a given DynamoWorker."""
+    return {WORKER_LABEL: worker}
+
+
+def selector_string(worker: str) -> str:
+    """The pod selector as a label-selector string (status.selector, for the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(worker).items()))
+
+
+def deployment_name(worker: str) -> str:
+    return worker
+
+
+def service_name(worker: str) -> str:
+    return worker
+
+
+def pdb_name(worker: str) -> str:
+    return worker
+
+
+def pod_monitor_name(worker: str) -> str:
+    return worker
+
+
+def service_account_name(worker: str) -> str:
+    """The worker pods' ServiceAccount; its Role and RoleBinding share the name."""
+    return f"{worker}-worker"
+
+
+def owner_reference(name: str, uid: str) -> dict[str, object]:
+    """The reference that makes the garbage collector delete a child with its DynamoWorker."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": OWNER_KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

@@ -1,0 +1,92 @@
+"""What the operator observes about a DynamoWorker's pods, boiled down to what status needs.
+
+`PodSummary.from_pod` reads a Pod manifest (as the watch delivers it) into a small frozen
+record; the handlers keep one per pod in memory, so computing status costs no API reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class PodProblem(StrEnum):
+    """Why a pod cannot serve, grouped by what the user does about it."""
+
+    UNSCHEDULABLE = "Unschedulable"
+    IMAGE_PULL = "ImagePull"
+    CONFIG = "Config"
+    CRASH_LOOP = "CrashLoop"
+    OOM_KILLED = "OOMKilled"
+
+
+# Container waiting reasons, by the problem they mean.
+_WAITING_PROBLEMS = {
+    "ImagePullBackOff": PodProblem.IMAGE_PULL,
+    "ErrImagePull": PodProblem.IMAGE_PULL,
+    "InvalidImageName": PodProblem.IMAGE_PULL,
+    "CreateContainerConfigError": PodProblem.CONFIG,
+    "CreateContainerError": PodProblem.CONFIG,
+    "RunContainerError": PodProblem.CRASH_LOOP,
+    "CrashLoopBackOff": PodProblem.CRASH_LOOP,
+}
+
+
+@dataclass(frozen=True)
+class PodSummary:
+    """One worker pod: identity, address, readiness, and the problem it has, if any."""
+
+    name: str
+    uid: str
+    ip: str | None
+    ready: bool
+    terminating: bool
+    problem: PodProblem | None = None
+    problem_detail: str = ""
+    restarts: int = 0
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> PodSummary:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        conditions = status.get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        problem, detail = _problem(conditions, status.get("containerStatuses") or [])
+        restarts = sum(
+            int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []
+        )
+        return cls(
+            name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
+            ip=status.get("podIP") or None,
+            ready=ready,
+            terminating=meta.get("deletionTimestamp") is not None,
+            problem=problem,
+            problem_detail=detail,
+            restarts=restarts,
+        )
+
+
+def _problem(
+    conditions: list[Mapping[str, Any]], containers: list[Mapping[str, Any]]
+) -> tuple[PodProblem | None, str]:
+    for condition in conditions:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            return PodProblem.UNSCHEDULABLE, str(condition.get("message") or "")
+    for container in containers:
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
+        reason = waiting.get("reason")
+        last = (container.get("lastState") or {}).get("terminated") or {}
+        if last.get("reason") == "OOMKilled" and not state.get("running"):
+            return PodProblem.OOM_KILLED, "the container ran out of memory"
+        if reason in _WAITING_PROBLEMS:
+            message = str(waiting.get("message") or reason)
+            return _WAITING_PROBLEMS[reason], message
+    return None, ""

@@ -1,0 +1,19 @@
+"""What the builders need to know beyond the DynamoWorker itself: operator-wide defaults and
+facts about the cluster. Built once at startup (the cluster facts refreshed by the handlers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReconcileSettings:
+    """Operator-wide inputs of the builders.
+
+    `worker_image` is used when a DynamoWorker sets no spec.image. `pod_monitor_crd` says
+    whether the Prometheus Operator's PodMonitor kind exists in the cluster (spec.metrics
+    `Auto` then picks a PodMonitor over prometheus.io annotations).
+    """
+
+    worker_image: str | None = None
+    pod_monitor_crd: bool = False

@@ -1,0 +1,342 @@
+"""Computing DynamoWorker.status from what was observed (pure).
+
+Conditions, per the Kubernetes API conventions:
+- `Ready`: every desired pod is ready (True with `AllReplicasReady` or `ScaledToZero`).
+- `Progressing`: the Deployment is being created, rolled or scaled (False with
+  `RolloutComplete` once every pod runs the current spec and is ready).
+- `Degraded`: something needs a person: a child the API server refused, pods that cannot be
+  scheduled, pull their image, start, or keep running, a stalled rollout, taints a pod would
+  not take, a PodMonitor asked for without its CRD. False with `AsExpected` otherwise.
+
+Messages say what is wrong and which field or command fixes it. The same observation always
+yields the same status (sorted lists, no timestamps but the conditions' transition times, which
+`merge_conditions` keeps), so a converged worker's status is never rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from dynamo_operator.api.common import Condition, ConditionStatus, ConditionType
+from dynamo_operator.api.conditions import merge_conditions
+from dynamo_operator.api.dynamoworker import (
+    MAX_STATUS_PODS,
+    DynamoWorker,
+    DynamoWorkerStatus,
+    PublishedTokenBudget,
+    WorkerPodStatus,
+)
+from dynamo_operator.api.metadata import DynamoWorkerMetadata
+from dynamo_operator.reconcile.labels import deployment_name, selector_string
+from dynamo_operator.reconcile.observed import PodProblem, PodSummary
+
+# How many pods a message names before it says "and N more".
+NAMED_PODS = 3
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything status is computed from.
+
+    `deployment` is the live Deployment (None: absent). `pods` are the worker's pods;
+    `metadata` their DynamoWorkerMetadata by pod name. `child_errors` are the API server's
+    refusals of children (one line each, naming the child). `taint_failures` maps a pod name
+    to why pushing spec.modelTaints to it failed. `pod_monitor_unavailable` is set when a
+    PodMonitor is asked for and its CRD is missing. `spec_error` is set when the spec cannot
+    be turned into children (its message names the field).
+    """
+
+    now: datetime
+    deployment: Mapping[str, Any] | None = None
+    pods: Sequence[PodSummary] = ()
+    metadata: Mapping[str, DynamoWorkerMetadata] = field(default_factory=dict)
+    child_errors: Sequence[str] = ()
+    taint_failures: Mapping[str, str] = field(default_factory=dict)
+    pod_monitor_unavailable: bool = False
+    spec_error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    type: ConditionType
+    status: ConditionStatus
+    reason: str
+    message: str
+
+
+def _names(pods: Sequence[str]) -> str:
+    shown = ", ".join(pods[:NAMED_PODS])
+    more = len(pods) - NAMED_PODS
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
+    if record is None:
+        return WorkerPodStatus(name=pod.name, ready=pod.ready)
+    budget = record.token_budget
+    config = record.runtime_config
+    return WorkerPodStatus(
+        name=pod.name,
+        ready=pod.ready,
+        token_budget=(
+            PublishedTokenBudget(
+                combined_limit=budget.combined_limit,
+                reject_prompt_overflow=budget.reject_prompt_overflow,
+                reject_total_overflow=budget.reject_total_overflow,
+            )
+            if budget is not None
+            else None
+        ),
+        taints=config.caller_taints if config is not None else [],
+        loaded_adapters=record.loaded_adapters,
+        dp_ranks=record.dp_ranks,
+    )
+
+
+def _deployment_counts(deployment: Mapping[str, Any] | None) -> tuple[int, int, int, bool]:
+    """(pods, ready, updated, controller has seen the current Deployment spec)."""
+    if deployment is None:
+        return 0, 0, 0, False
+    status = deployment.get("status") or {}
+    generation = (deployment.get("metadata") or {}).get("generation") or 0
+    seen = int(status.get("observedGeneration") or 0) >= int(generation)
+    return (
+        int(status.get("replicas") or 0),
+        int(status.get("readyReplicas") or 0),
+        int(status.get("updatedReplicas") or 0),
+        seen,
+    )
+
+
+def _deployment_condition(deployment: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any]:
+    if deployment is None:
+        return {}
+    for condition in (deployment.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == type_:
+            return dict(condition)
+    return {}
+
+
+def _ready(desired: int, ready: int, observed: Observed) -> _Wanted:
+    t = ConditionType.READY
+    if observed.spec_error is not None:
+        return _Wanted(t, "False", "InvalidSpec", observed.spec_error)
+    if observed.deployment is None:
+        if observed.child_errors:
+            return _Wanted(
+                t,
+                "False",
+                "ApplyFailed",
+                "the worker Deployment could not be created; see the Degraded condition",
+            )
+        return _Wanted(
+            t,
+            "False",
+            "DeploymentMissing",
+            "the worker Deployment does not exist yet; the operator is creating it",
+        )
+    if desired == 0:
+        return _Wanted(
+            t, "True", "ScaledToZero", "spec.replicas is 0: no worker pods run; scale up to serve"
+        )
+    if ready >= desired:
+        return _Wanted(t, "True", "AllReplicasReady", f"{ready} of {desired} pods are ready")
+    hint = (
+        "; see the Degraded condition"
+        if any(p.problem for p in observed.pods)
+        else "; pods load the model before they report ready"
+    )
+    return _Wanted(t, "False", "WaitingForPods", f"{ready} of {desired} pods are ready{hint}")
+
+
+def _progressing(
+    worker: str,
+    generation: int,
+    desired: int,
+    counts: tuple[int, int, int, bool],
+    observed: Observed,
+) -> _Wanted:
+    t = ConditionType.PROGRESSING
+    total, ready, updated, seen = counts
+    name = deployment_name(worker)
+    if observed.spec_error is not None:
+        return _Wanted(t, "False", "InvalidSpec", "nothing is rolled out until the spec is fixed")
+    if observed.deployment is None:
+        return _Wanted(t, "True", "Creating", "creating the worker Deployment")
+    stalled = _deployment_condition(observed.deployment, "Progressing")
+    if stalled.get("reason") == "ProgressDeadlineExceeded":
+        return _Wanted(
+            t,
+            "False",
+            "ProgressDeadlineExceeded",
+            f"the rollout of Deployment "
+            f"{name} made no progress before its deadline; see the Degraded condition",
+        )
+    if not seen:
+        return _Wanted(
+            t,
+            "True",
+            "RollingOut",
+            f"generation {generation} of the spec was applied; "
+            f"waiting for the Deployment controller to start the rollout",
+        )
+    if updated < desired:
+        return _Wanted(
+            t,
+            "True",
+            "RollingOut",
+            f"{updated} of {desired} pods run generation "
+            f"{generation} of the spec ({total} pods in all)",
+        )
+    if total > desired:
+        return _Wanted(
+            t,
+            "True",
+            "ScalingDown",
+            f"{total - desired} surplus or outdated pods are draining and shutting down",
+        )
+    if ready < desired:
+        return _Wanted(
+            t, "True", "ScalingUp", f"{ready} of {desired} pods are ready; the rest are starting"
+        )
+    return _Wanted(
+        t,
+        "False",
+        "RolloutComplete",
+        f"all {desired} pods run generation {generation} of the spec and are ready",
+    )
+
+
+_PROBLEM_REASONS: dict[PodProblem, tuple[str, str]] = {
+    PodProblem.UNSCHEDULABLE: (
+        "PodsUnschedulable",
+        "cannot be scheduled ({detail}); lower spec.resources (gpusPerPod, cpu, memory), relax "
+        "spec.pod.nodeSelector, tolerations or affinity, or add nodes",
+    ),
+    PodProblem.IMAGE_PULL: (
+        "ImagePullFailed",
+        "cannot pull the worker image ({detail}); check spec.image and the registry access "
+        "of the namespace",
+    ),
+    PodProblem.CONFIG: (
+        "PodConfigError",
+        "cannot start the container ({detail}); create the Secret or ConfigMap it names "
+        "(spec.credentials, spec.pod.env) or fix the reference",
+    ),
+    PodProblem.CRASH_LOOP: (
+        "CrashLooping",
+        "keeps crashing ({detail}); read its log with `kubectl logs <pod> -c main --previous`",
+    ),
+    PodProblem.OOM_KILLED: (
+        "OOMKilled",
+        "ran out of memory; raise spec.resources.memory (and check "
+        "spec.resources.sharedMemorySize, which counts against it)",
+    ),
+}
+# When pods have different problems, report the one listed first.
+_PROBLEM_ORDER = list(_PROBLEM_REASONS)
+
+
+def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
+    t = ConditionType.DEGRADED
+    if observed.spec_error is not None:
+        return _Wanted(t, "True", "InvalidSpec", observed.spec_error)
+    if observed.child_errors:
+        return _Wanted(t, "True", "ApplyFailed", "; ".join(observed.child_errors))
+    failure = _deployment_condition(observed.deployment, "ReplicaFailure")
+    if failure.get("status") == "True":
+        return _Wanted(
+            t,
+            "True",
+            "ReplicaFailure",
+            f"the Deployment cannot create pods: {failure.get('message', '')}",
+        )
+    progress = _deployment_condition(observed.deployment, "Progressing")
+    if progress.get("reason") == "ProgressDeadlineExceeded":
+        return _Wanted(
+            t,
+            "True",
+            "ProgressDeadlineExceeded",
+            f"the rollout stalled: {progress.get('message', '')}; check the pods' events",
+        )
+    troubled = sorted(
+        (_PROBLEM_ORDER.index(p.problem), p.name, p.problem, p.problem_detail)
+        for p in pods
+        if p.problem is not None
+    )
+    if troubled:
+        _, _, problem, detail = troubled[0]
+        reason, template = _PROBLEM_REASONS[problem]
+        same = [pod for _, pod, other, _ in troubled if other == problem]
+        subject = f"pod {same[0]}" if len(same) == 1 else f"pods {_names(same)}"
+        return _Wanted(t, "True", reason, f"{subject} {template.format(detail=detail)}")
+    if observed.taint_failures:
+        names = sorted(observed.taint_failures)
+        return _Wanted(
+            t,
+            "True",
+            "TaintUpdateFailed",
+            f"spec.modelTaints could not be applied to "
+            f"{_names(names)}: {observed.taint_failures[names[0]]}; the operator "
+            "keeps retrying",
+        )
+    if observed.pod_monitor_unavailable:
+        return _Wanted(
+            t,
+            "True",
+            "PodMonitorUnavailable",
+            "spec.metrics.podMonitor is Enabled "
+            "but the PodMonitor CRD (monitoring.coreos.com/v1) is not installed; "
+            "install the Prometheus Operator or set podMonitor to Auto",
+        )
+    return _Wanted(t, "False", "AsExpected", "no problems observed")
+
+
+def compute_status(dw: DynamoWorker, observed: Observed) -> dict[str, Any]:
+    """The status the DynamoWorker should have, as the API server stores it (camelCase)."""
+    name = dw.metadata.name or ""
+    generation = dw.metadata.generation or 0
+    desired = dw.spec.replicas
+    counts = _deployment_counts(observed.deployment)
+    total, ready, updated, _ = counts
+    live = [p for p in observed.pods if not p.terminating]
+    pods = sorted(live, key=lambda p: p.name)[:MAX_STATUS_PODS]
+    wanted = [
+        _ready(desired, ready, observed),
+        _progressing(name, generation, desired, counts, observed),
+        _degraded(observed, pods),
+    ]
+    existing = dw.status.conditions if dw.status is not None else []
+    conditions = merge_conditions(
+        existing,
+        [
+            Condition(
+                type=w.type,
+                status=w.status,
+                reason=w.reason,
+                message=w.message,
+                observed_generation=generation,
+                last_transition_time=observed.now,
+            )
+            for w in wanted
+        ],
+    )
+    status = DynamoWorkerStatus(
+        observed_generation=generation,
+        replicas=min(total, MAX_STATUS_PODS),
+        ready_replicas=min(ready, MAX_STATUS_PODS),
+        updated_replicas=min(updated, MAX_STATUS_PODS),
+        selector=selector_string(name),
+        conditions=conditions,
+        pods=[_pod_status(p, observed.metadata.get(p.name)) for p in pods],
+    )
+    return status.to_dict()
+
+
+def normalized_status(raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A stored status as `compute_status` would write it (defaults filled, unknown fields
+    dropped), so the two compare equal exactly when a write would change nothing."""
+    return DynamoWorkerStatus.model_validate(dict(raw or {})).to_dict()

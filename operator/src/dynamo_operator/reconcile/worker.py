@@ -1,0 +1,335 @@
+"""Reconciling one DynamoWorker: apply its children, read them back, write its status.
+
+Level-based and idempotent: every run recomputes the desired children from the spec, applies
+those whose live copy differs (see `reconcile.converge`), removes the PodMonitor when it is no
+longer wanted, pushes model taints where pods lag behind, computes status from what it sees,
+and writes status only when it changed. Any run may be cut short (a crash, a restart) and the
+next one picks up from whatever exists: children have deterministic names and owner
+references, so nothing is duplicated or orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from dynamo_operator.api.common import Condition
+from dynamo_operator.api.conditions import merge_conditions
+from dynamo_operator.api.conditions import now as utc_now
+from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerStatus
+from dynamo_operator.api.metadata import DynamoWorkerMetadata
+from dynamo_operator.k8s import kinds
+from dynamo_operator.k8s.client import ApiError, Cluster
+from dynamo_operator.reconcile.builders import (
+    POD_MONITOR_CRD,
+    desired_children,
+    wants_pod_monitor,
+)
+from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
+from dynamo_operator.reconcile.errors import ReconcileError, SpecError
+from dynamo_operator.reconcile.events import event_manifest, transitions
+from dynamo_operator.reconcile.labels import pod_monitor_name
+from dynamo_operator.reconcile.observed import PodSummary
+from dynamo_operator.reconcile.settings import ReconcileSettings
+from dynamo_operator.reconcile.status import Observed, compute_status, normalized_status
+from dynamo_operator.reconcile.taints import TaintPusher
+
+logger = logging.getLogger(__name__)
+
+CRD_CHECK_INTERVAL_SECONDS = 60.0
+
+
+class TransientError(ReconcileError):
+    """The API server could not be reached or asked to retry; the reconcile runs again."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reconcile did and saw."""
+
+    status: dict[str, Any]
+    applied: tuple[str, ...] = ()
+    status_written: bool = False
+    spec_error: str | None = None
+
+
+@dataclass(frozen=True)
+class _ChildResult:
+    """One child after its step: the live object (None: absent), whether it was applied, and
+    the API server's refusal, if any."""
+
+    live: dict[str, Any] | None
+    applied: bool = False
+    error: ApiError | None = None
+
+
+def _spec_error_text(err: ValidationError) -> str:
+    parts = []
+    for item in err.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"])
+        parts.append(f"{where}: {item['msg']}" if where else str(item["msg"]))
+    return "the spec is invalid: " + "; ".join(parts)
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+@dataclass
+class WorkerReconciler:
+    """Reconciles DynamoWorkers; one instance per operator, shared by all objects.
+
+    `settings` holds the operator's defaults; whether the PodMonitor CRD exists is re-checked
+    at most every `CRD_CHECK_INTERVAL_SECONDS`. `taints` may be None (no pushes).
+    """
+
+    cluster: Cluster
+    settings: ReconcileSettings
+    taints: TaintPusher | None = None
+    reporting_instance: str = "dynamo-operator"
+    clock: Callable[[], datetime] = utc_now
+    _crd_checked_at: float = field(default=float("-inf"), init=False)
+    # Per object uid: the status it had before our last write, and the status we wrote (see
+    # `_current_status`).
+    _written: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(
+        default_factory=dict, init=False
+    )
+
+    async def refresh_cluster_facts(self) -> ReconcileSettings:
+        """The settings, with the PodMonitor CRD's presence re-checked when it is due."""
+        if time.monotonic() - self._crd_checked_at >= CRD_CHECK_INTERVAL_SECONDS:
+            present = await self.cluster.crd_exists(POD_MONITOR_CRD)
+            self._crd_checked_at = time.monotonic()
+            if present != self.settings.pod_monitor_crd:
+                logger.info("PodMonitor CRD %s", "found" if present else "not found")
+                self.settings = ReconcileSettings(
+                    worker_image=self.settings.worker_image, pod_monitor_crd=present
+                )
+        return self.settings
+
+    def forget(self, namespace: str, name: str, uid: str) -> None:
+        """Drop what is remembered about a deleted object."""
+        self._written.pop(uid, None)
+        if self.taints is not None:
+            self.taints.forget(namespace, name)
+
+    async def reconcile(
+        self,
+        body: Mapping[str, Any],
+        pods: Sequence[PodSummary] = (),
+        metadata: Mapping[str, DynamoWorkerMetadata] | None = None,
+        *,
+        full: bool = True,
+    ) -> Outcome:
+        """One reconcile of the DynamoWorker `body` (as the watch delivers it), given its pods
+        and their DynamoWorkerMetadata. Raises TransientError when it should be retried.
+
+        `full=False` checks only the Deployment among the children: the refresh a pod or
+        Deployment event asks for (a rollout makes many), where the other children cannot
+        have changed; they are checked by the next full pass (a spec change, a resync).
+        """
+        metadata = metadata or {}
+        meta = body.get("metadata") or {}
+        raw_status = self._current_status(str(meta.get("uid", "")), body.get("status"))
+        try:
+            dw = DynamoWorker.model_validate({**body, "status": raw_status})
+        except ValidationError as err:
+            return await self._invalid(meta, raw_status, _spec_error_text(err))
+        settings = await self._settings()
+        try:
+            desired = [stamped(m) for m in desired_children(dw, settings)]
+            if not full:
+                desired = [m for m in desired if m["kind"] == "Deployment"]
+        except SpecError as err:
+            return await self._write_status(
+                dw,
+                meta,
+                raw_status,
+                Observed(now=self.clock(), pods=pods, metadata=metadata, spec_error=str(err)),
+                spec_error=str(err),
+            )
+
+        # Read every child at once; write in order (identity and permissions before the pods
+        # that use them), so a run cut short leaves a prefix of the children applied.
+        lives = await asyncio.gather(*(self._read(m) for m in desired))
+        results = [await self._converge(m, live) for m, live in zip(desired, lives, strict=True)]
+        child_errors: list[str] = []
+        applied: list[str] = []
+        transient: list[str] = []
+        deployment: dict[str, Any] | None = None
+        for manifest, result in zip(desired, results, strict=True):
+            what = f"{manifest['kind']} {manifest['metadata']['name']}"
+            if result.error is not None:
+                (transient if result.error.retryable else child_errors).append(
+                    f"{what}: {result.error.message}"
+                )
+            if result.applied:
+                applied.append(what)
+            if manifest["kind"] == "Deployment":
+                deployment = result.live
+        if full:
+            await self._remove_unwanted(dw, settings)
+
+        failures: dict[str, str] = {}
+        if self.taints is not None and dw.metadata.namespace and dw.metadata.name:
+            failures = self.taints.sync(
+                dw.metadata.namespace, dw.metadata.name, dw.spec.model_taints, pods, metadata
+            )
+        observed = Observed(
+            now=self.clock(),
+            deployment=deployment,
+            pods=pods,
+            metadata=metadata,
+            child_errors=child_errors,
+            taint_failures=failures,
+            pod_monitor_unavailable=(
+                wants_pod_monitor(dw.spec, settings) and not settings.pod_monitor_crd
+            ),
+        )
+        outcome = await self._write_status(dw, meta, raw_status, observed, applied=applied)
+        if transient:
+            raise TransientError("; ".join(transient))
+        return outcome
+
+    def _current_status(self, uid: str, raw: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The object's status, normalized; our last write when the watch has not delivered
+        it yet (the body still shows what that write replaced). Computing from it keeps
+        transition times and Events right, and does not write the same status twice."""
+        status = normalized_status(raw)
+        known = self._written.get(uid)
+        if known is not None and status == known[0]:
+            return known[1]
+        return status
+
+    async def _settings(self) -> ReconcileSettings:
+        try:
+            return await self.refresh_cluster_facts()
+        except ApiError as err:
+            if err.retryable:
+                raise TransientError(str(err)) from err
+            return self.settings  # e.g. no permission to read CRDs: keep the last answer
+
+    async def _read(self, manifest: dict[str, Any]) -> dict[str, Any] | ApiError | None:
+        meta = manifest["metadata"]
+        try:
+            return await self.cluster.get(kinds.kind_of(manifest), meta["namespace"], meta["name"])
+        except ApiError as err:
+            return err
+
+    async def _converge(
+        self, manifest: dict[str, Any], live: dict[str, Any] | ApiError | None
+    ) -> _ChildResult:
+        if isinstance(live, ApiError):
+            return _ChildResult(None, error=live)
+        if not needs_apply(manifest, live):
+            return _ChildResult(live)
+        name = manifest["metadata"]["name"]
+        if live is not None:
+            logger.debug("%s %s differs at %s", manifest["kind"], name, difference(manifest, live))
+        try:
+            return _ChildResult(await self.cluster.apply(manifest), applied=True)
+        except ApiError as err:
+            return _ChildResult(live, error=err)
+
+    async def _remove_unwanted(self, dw: DynamoWorker, settings: ReconcileSettings) -> None:
+        """Delete the PodMonitor this worker owns when it no longer wants one."""
+        if not settings.pod_monitor_crd or wants_pod_monitor(dw.spec, settings):
+            return
+        name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
+        if not (name and namespace and uid):
+            return
+        live = await self.cluster.get(kinds.POD_MONITOR, namespace, pod_monitor_name(name))
+        if live is not None and _owned_by(live, uid):
+            await self.cluster.delete(
+                kinds.POD_MONITOR, namespace, pod_monitor_name(name), live["metadata"]["uid"]
+            )
+
+    async def _invalid(
+        self, meta: Mapping[str, Any], raw_status: Mapping[str, Any], message: str
+    ) -> Outcome:
+        """Status for an object the models refuse (an API/operator version skew)."""
+        existing = normalized_status(raw_status)
+        generation = int(meta.get("generation") or 0)
+        now = self.clock()
+        status = DynamoWorkerStatus.model_validate(existing)
+        wanted = [
+            Condition(
+                type=t,
+                status=s,
+                reason="InvalidSpec",
+                message=message,
+                observed_generation=generation,
+                last_transition_time=now,
+            )
+            for t, s in (("Ready", "False"), ("Progressing", "False"), ("Degraded", "True"))
+        ]
+        status.conditions = merge_conditions(status.conditions, wanted)
+        status.observed_generation = generation
+        new = status.to_dict()
+        written = await self._patch_if_changed(meta, existing, new)
+        return Outcome(status=new, status_written=written, spec_error=message)
+
+    async def _write_status(
+        self,
+        dw: DynamoWorker,
+        meta: Mapping[str, Any],
+        raw_status: Mapping[str, Any],
+        observed: Observed,
+        *,
+        applied: Sequence[str] = (),
+        spec_error: str | None = None,
+    ) -> Outcome:
+        existing = normalized_status(raw_status)
+        new = compute_status(dw, observed)
+        written = await self._patch_if_changed(meta, existing, new)
+        if written:
+            old_conditions = dw.status.conditions if dw.status is not None else []
+            new_conditions = DynamoWorkerStatus.model_validate(new).conditions
+            await self._record_events(meta, old_conditions, new_conditions, observed.now)
+        return Outcome(
+            status=new, applied=tuple(applied), status_written=written, spec_error=spec_error
+        )
+
+    async def _patch_if_changed(
+        self, meta: Mapping[str, Any], existing: dict[str, Any], new: dict[str, Any]
+    ) -> bool:
+        uid = str(meta.get("uid", ""))
+        if new == existing:
+            return False
+        # A merge patch keeps keys it does not mention: name the ones that went away.
+        patch: dict[str, Any] = {key: None for key in existing if key not in new}
+        patch.update(new)
+        try:
+            await self.cluster.patch_status(
+                kinds.DYNAMO_WORKER, meta["namespace"], meta["name"], patch
+            )
+        except ApiError as err:
+            if err.status == 404:  # deleted meanwhile
+                return False
+            raise TransientError(str(err)) from err
+        self._written[uid] = (existing, new)
+        return True
+
+    async def _record_events(
+        self,
+        meta: Mapping[str, Any],
+        old: Sequence[Condition],
+        new: Sequence[Condition],
+        now: datetime,
+    ) -> None:
+        for condition, event_type in transitions(old, new):
+            manifest = event_manifest(
+                meta, condition, event_type, now=now, reporting_instance=self.reporting_instance
+            )
+            try:
+                await self.cluster.create_event(meta["namespace"], manifest)
+            except ApiError as err:  # events are best effort
+                logger.warning("Event not recorded: %s", err)

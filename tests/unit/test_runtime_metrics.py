@@ -1,0 +1,170 @@
+"""The worker's Prometheus registry, per-rank snapshot gauges and the FPM publisher."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynamo.common.backend import ComponentSnapshot
+from dynamo.common.backend.metrics import register_engine_registry
+from dynamo.common.forward_pass_metrics import ForwardPassMetrics, ScheduledRequestMetrics, decode
+from dynamo.runtime.fpm import FPM_TOPIC, ForwardPassPublisher
+from dynamo.runtime.metrics import EngineMetrics, RuntimeMetrics, auto_labels
+from dynamo.runtime.snapshot import SnapshotPublisher
+
+pytestmark = pytest.mark.unit
+
+LABELS = auto_labels("ns", "backend", "generate", 0xABC123)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    wanted = {**LABELS, **labels}
+    for (sample_name, sample_labels), sample_value in samples(text).items():
+        if sample_name == name and dict(sample_labels) == wanted:
+            return sample_value
+    raise AssertionError(f"{name} {labels} not in the exposition")
+
+
+def test_auto_labels_use_hex_worker_id() -> None:
+    assert LABELS == {
+        "dynamo_namespace": "ns",
+        "dynamo_component": "backend",
+        "dynamo_endpoint": "generate",
+        "worker_id": "abc123",
+    }
+
+
+def test_request_lifecycle_and_lora_metrics() -> None:
+    metrics = RuntimeMetrics(LABELS)
+    metrics.requests.inc()
+    metrics.inflight.inc()
+    metrics.request_duration.observe(0.2)
+    metrics.request_bytes.inc(10)
+    metrics.response_bytes.inc(20)
+    metrics.count_error("invalid_argument")
+    metrics.cancellations.inc()
+    gauges = metrics.set_model("/models/m", "m")
+    gauges.model_load_time.set(1.5)
+    metrics.lora_loaded.set(2)
+    metrics.lora_load_duration.observe(0.3)
+    metrics.count_lora_failure("digest mismatch")
+    metrics.lora_downloaded_bytes.inc(1234)
+    text = metrics.exposition()
+    assert value(text, "dynamo_component_requests_total") == 1
+    assert value(text, "dynamo_component_inflight_requests") == 1
+    assert value(text, "dynamo_component_request_duration_seconds_count") == 1
+    assert value(text, "dynamo_component_request_bytes_total") == 10
+    assert value(text, "dynamo_component_response_bytes_total") == 20
+    assert value(text, "dynamo_component_errors_total", error_type="invalid_argument") == 1
+    assert value(text, "dynamo_component_cancellation_total") == 1
+    assert value(text, "dynamo_component_uptime_seconds") >= 0
+    model = {"model": "/models/m", "model_name": "m"}
+    assert value(text, "dynamo_component_model_load_time_seconds", **model) == 1.5
+    assert value(text, "dynamo_component_drain_time_seconds", **model) == 0
+    assert value(text, "dynamo_component_cleanup_time_seconds", **model) == 0
+    assert value(text, "dynamo_component_lora_adapters_loaded") == 2
+    assert value(text, "dynamo_component_lora_load_duration_seconds_count") == 1
+    assert value(text, "dynamo_component_lora_load_failures_total", reason="digest mismatch") == 1
+    assert value(text, "dynamo_component_lora_downloaded_bytes_total") == 1234
+    assert "_created" not in text
+
+
+def test_metrics_labels_extend_request_metrics() -> None:
+    metrics = RuntimeMetrics(LABELS, extra_labels=[("team", "a")])
+    metrics.requests.inc()
+    text = metrics.exposition()
+    assert value(text, "dynamo_component_requests_total", team="a") == 1
+
+
+def test_engine_registry_is_bridged_with_auto_labels() -> None:
+    metrics = RuntimeMetrics(LABELS)
+    metrics.set_model("m", "m")
+    registry = CollectorRegistry()
+    Counter("vllm_steps", "engine steps", registry=registry).inc(3)
+    handle = EngineMetrics(metrics)
+    assert handle.auto_labels == {**LABELS, "model": "m", "model_name": "m"}
+    register_engine_registry(handle, registry, prefix_filters=["vllm_"])
+    handle.add_expfmt_callback(lambda: (_ for _ in ()).throw(RuntimeError("broken callback")))
+    text = metrics.exposition()
+    assert value(text, "vllm_steps_total", model="m", model_name="m") == 3
+
+
+def test_snapshot_gauges_per_rank() -> None:
+    metrics = RuntimeMetrics(LABELS)
+    metrics.set_model("m", "served")
+    publisher = SnapshotPublisher(metrics.registry, metrics.model_labels, [2, 3])
+    model = {"model": "m", "model_name": "served"}
+    text = metrics.exposition()
+    for rank in ("2", "3"):
+        assert value(text, "dynamo_component_total_blocks", dp_rank=rank, **model) == 0
+        assert value(text, "dynamo_component_gpu_cache_usage_percent", dp_rank=rank, **model) == 0
+    assert "dynamo_component_kv_cache_hit_rate{" not in text
+    publisher.publish(3, ComponentSnapshot(10, 100, 0.1, dp_rank=3, kv_cache_hit_rate=0.5))
+    publisher.publish(3, ComponentSnapshot(1, 100, 0.01, dp_rank=2))
+    publisher.publish(0, "not a snapshot")  # type: ignore[arg-type]
+    text = metrics.exposition()
+    assert value(text, "dynamo_component_total_blocks", dp_rank="3", **model) == 100
+    assert value(text, "dynamo_component_gpu_cache_usage_percent", dp_rank="3", **model) == 0.1
+    assert value(text, "dynamo_component_kv_cache_hit_rate", dp_rank="3", **model) == 0.5
+    assert value(text, "dynamo_component_gpu_cache_usage_percent", dp_rank="2", **model) == 0.01
+
+
+async def test_fpm_publisher_wire_format() -> None:
+    publisher = ForwardPassPublisher("127.0.0.1", 0, worker_id="42")
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(publisher.endpoint)
+    message = ForwardPassMetrics(
+        counter_id=7, scheduled_requests=ScheduledRequestMetrics(num_decode_requests=2)
+    )
+    try:
+        # PUB drops messages until the subscription arrives: publish until one is received.
+        frames = None
+        for _ in range(500):
+            publisher.publish(message)
+            if await socket.poll(10):
+                frames = await socket.recv_multipart()
+                break
+        assert frames is not None, "no message arrived"
+        topic, sequence, payload = frames
+        assert topic == FPM_TOPIC
+        assert len(sequence) == 8
+        decoded = decode(payload)
+        assert decoded is not None
+        assert decoded.worker_id == "42"  # stamped in
+        assert decoded.counter_id == 7
+        assert decoded.scheduled_requests.num_decode_requests == 2
+        publisher.publish(message)
+        following = await asyncio.wait_for(socket.recv_multipart(), 5)
+        assert int.from_bytes(following[1], "big") == int.from_bytes(sequence, "big") + 1
+    finally:
+        socket.close()
+        context.term()
+        publisher.close()
+        publisher.close()
+    publisher.publish(message)  # closed: dropped silently
+
+
+def test_fpm_port_in_use_names_the_variable() -> None:
+    first = ForwardPassPublisher("127.0.0.1", 0)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    try:
+        with pytest.raises(OSError, match="DYN_FORWARDPASS_METRIC_PORT"):
+            ForwardPassPublisher("127.0.0.1", port)
+    finally:
+        first.close()

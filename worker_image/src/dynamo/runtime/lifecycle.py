@@ -1,0 +1,407 @@
+"""`WorkerRuntime`: one engine's whole life, upstream's unified worker lifecycle in Python.
+
+Startup: validate the config; own SIGTERM/SIGINT; start the system server (health 503);
+`engine.start(worker_id)` timed into `model_load_time_seconds`; metrics (engine registry,
+per-rank snapshot gauges, forward-pass metrics); the request plane; `on_endpoint_ready`;
+discovery registration; admin routes; then Running (health 200).
+
+Shutdown (signal): see `shutdown.ShutdownOrchestrator`: health 503 and unregister at once,
+grace period, drain every mode, cleanup exactly once, exit 0 (911 past the hard deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo.common.backend import BaseEngine, EngineConfig, RawEngine, WorkerConfig
+from dynamo.common.backend.health_check import HEALTH_CHECK_KEY, load_health_check_from_env
+from dynamo.common.backend.model_input import ModelInput
+from dynamo.common.constants import DisaggregationMode
+from dynamo.common.model_taints import MODEL_TAINT_ROUTE, make_model_taint_handler
+from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
+from dynamo.runtime import advertise
+from dynamo.runtime.adapters import EngineUpdates
+from dynamo.runtime.admin import RUNNING, AdminRoutes, EngineRoutes, Lifecycle
+from dynamo.runtime.budget import budget_from_runtime_data
+from dynamo.runtime.canary import Canary
+from dynamo.runtime.discovery.base import DiscoveryBackend, WorkerAdvertisement
+from dynamo.runtime.endpoint import Endpoint
+from dynamo.runtime.fpm import ForwardPassPublisher
+from dynamo.runtime.health import HealthState
+from dynamo.runtime.inflight import InflightTracker
+from dynamo.runtime.metrics import EngineMetrics, LifecycleGauges, RuntimeMetrics, auto_labels
+from dynamo.runtime.models import ServedModels
+from dynamo.runtime.request_plane import RequestPlane
+from dynamo.runtime.settings import RuntimeSettings
+from dynamo.runtime.shutdown import ShutdownOrchestrator
+from dynamo.runtime.snapshot import SnapshotPublisher
+from dynamo.runtime.system_server import SystemServer
+
+logger = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def validate_config(engine: BaseEngine, config: WorkerConfig) -> None:
+    """Upstream's startup checks; ValueError naming the field and the fix."""
+    raw = isinstance(engine, RawEngine)
+    if raw and config.model_input is ModelInput.Tokens:
+        raise ValueError(
+            "model_input is Tokens but the engine is a RawEngine; set WorkerConfig.model_input "
+            "to ModelInput.Text or ModelInput.Tensor"
+        )
+    if not raw and config.model_input is not ModelInput.Tokens:
+        raise ValueError(
+            f"model_input is {config.model_input.name} but an LLMEngine takes token ids; set "
+            "WorkerConfig.model_input to ModelInput.Tokens"
+        )
+    if config.route_to_encoder and config.disaggregation_mode not in (
+        DisaggregationMode.AGGREGATED,
+        DisaggregationMode.PREFILL,
+    ):
+        raise ValueError(
+            "route_to_encoder is only valid for aggregated or prefill workers, not "
+            f"{config.disaggregation_mode.value}"
+        )
+    advertise.model_type(config)  # raises for unknown endpoint_types
+    if "model_taints" in engine.supported_updates():
+        raise ValueError(
+            "the engine advertises an update named 'model_taints', which the runtime owns "
+            "(/engine/update/model_taints); rename the engine's update"
+        )
+    if config.request_plane not in ("http", "tcp"):
+        logger.warning(
+            "request_plane=%r: this runtime serves the HTTP request plane", config.request_plane
+        )
+
+
+class WorkerRuntime:
+    """Runs one engine until a signal, then shuts it down (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: BaseEngine,
+        config: WorkerConfig,
+        settings: RuntimeSettings,
+        *,
+        discovery: DiscoveryBackend | None = None,
+        instance_id: int | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        """Validate the config and pick discovery. `discovery` and `instance_id` default to
+        what `DYN_DISCOVERY_BACKEND` selects, where `config.discovery_backend` is written
+        into that variable first (as upstream does)."""
+        validate_config(engine, config)
+        self.engine = engine
+        self.config = config
+        self.settings = settings
+        self._environ = dict(os.environ if environ is None else environ)
+        if discovery is None or instance_id is None:
+            from dynamo.runtime.discovery import backend_from_env, instance_id_from_env
+
+            env = {**self._environ, "DYN_DISCOVERY_BACKEND": config.discovery_backend}
+            instance_id = instance_id_from_env(env) if instance_id is None else instance_id
+            discovery = backend_from_env(env) if discovery is None else discovery
+        self.discovery: DiscoveryBackend = discovery
+        self.instance_id: int = instance_id
+        self.metrics = RuntimeMetrics(
+            auto_labels(config.namespace, config.component, config.endpoint, instance_id),
+            extra_labels=config.metrics_labels,
+        )
+        self.signalled = asyncio.Event()
+        self.lifecycle = Lifecycle()
+        self.routes = EngineRoutes()
+        self.health = HealthState(
+            starting_ready=settings.starting_ready,
+            use_endpoint_health_status=settings.use_endpoint_health_status,
+        )
+        self.tracker = InflightTracker()
+        # Held while registering or unregistering, so a signal during startup can never
+        # leave the worker registered, and discovery-changing controls never overlap it.
+        self.discovery_lock = asyncio.Lock()
+        self.registered = False
+        self.shutdown = ShutdownOrchestrator(self)
+        self.system_port: int | None = None
+        self.http_port: int | None = None
+        self.gauges: LifecycleGauges | None = None
+        self.request_plane: RequestPlane | None = None
+        self.system_server: SystemServer | None = None
+        self.fpm: ForwardPassPublisher | None = None
+        self.canary: Canary | None = None
+        self.admin: AdminRoutes | None = None
+        self._serving: _Serving | None = None
+        self._taints: list[str] = []
+
+    # ----- entry point -------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; return the exit code (0). Startup errors raise."""
+        self._install_signal_handlers()
+        try:
+            return await self._run()
+        finally:
+            self._remove_signal_handlers()
+
+    async def _run(self) -> int:
+        await self._start_system_server()
+        if self.signalled.is_set():
+            logger.info("signalled before the engine started; exiting without starting it")
+            await self.shutdown.close_servers()
+            return 0
+        try:
+            engine_config = await self._start_engine()
+        except BaseException:
+            await self.shutdown.after_failed_start()
+            raise
+        if self.signalled.is_set():
+            await self.shutdown.run(serving=False)
+            return 0
+        await self._serve(engine_config)
+        await self.signalled.wait()
+        await self.shutdown.run(serving=True)
+        return 0
+
+    # ----- startup steps -----------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        original = loop.add_signal_handler
+        for sig in _SIGNALS:
+            original(sig, self._on_signal, sig)
+
+        # Like upstream, the runtime owns these signals: an engine that registers its own
+        # SIGTERM/SIGINT handler later is ignored (with a debug line), not obeyed.
+        def guarded(sig: int, callback: Any, *args: Any) -> None:
+            if sig in _SIGNALS:
+                logger.debug("ignoring an engine's handler for %s: the runtime owns it", sig)
+                return
+            original(sig, callback, *args)
+
+        try:
+            loop.add_signal_handler = guarded  # type: ignore[method-assign,assignment]
+        except AttributeError:
+            logger.debug("cannot guard add_signal_handler on %r", loop)
+
+    def _remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        if "add_signal_handler" in getattr(loop, "__dict__", {}):
+            del loop.add_signal_handler  # back to the loop's own method
+        for sig in _SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self.signalled.is_set():
+            logger.info("received %s again; shutdown is already under way", name)
+            return
+        logger.info("received %s; shutting down", name)
+        self.shutdown.begin()
+        self.signalled.set()
+
+    async def _start_system_server(self) -> None:
+        settings = self.settings
+        if settings.system_port < 0:
+            logger.info("system status server disabled (DYN_SYSTEM_PORT < 0)")
+            return
+        self.system_server = SystemServer(
+            health=self.health,
+            metrics=self.metrics,
+            routes=self.routes,
+            metadata=self.discovery.metadata,
+            health_path=settings.health_path,
+            live_path=settings.live_path,
+            lora_enabled=settings.lora_enabled,
+        )
+        self.system_port = await self.system_server.start(
+            settings.system_host, settings.system_port
+        )
+        logger.info(
+            "System status server listening on http://%s:%d", settings.system_host, self.system_port
+        )
+
+    async def _start_engine(self) -> EngineConfig:
+        started = time.perf_counter()
+        engine_config = await self.engine.start(self.instance_id)
+        load_time = time.perf_counter() - started
+        served = advertise.served_name(self.config, engine_config)
+        self.gauges = self.metrics.set_model(engine_config.model, served)
+        self.gauges.model_load_time.set(load_time)
+        logger.info("engine started in %.2f s (model %s)", load_time, engine_config.model)
+        await self.engine.register_prometheus(EngineMetrics(self.metrics))
+        ranks = self.engine.component_metrics_dp_ranks()
+        if ranks and self.config.enable_kv_routing:
+            publisher = SnapshotPublisher(self.metrics.registry, self.metrics.model_labels, ranks)
+            self.engine.attach_snapshot_publisher(publisher)
+        attach = getattr(self.engine, "attach_forward_pass_metrics_sink", None)
+        if self.settings.fpm_port is not None and callable(attach):
+            self.fpm = ForwardPassPublisher(
+                self.settings.fpm_host, self.settings.fpm_port, worker_id=str(self.instance_id)
+            )
+            attach(self.fpm.publish)
+            logger.info("forward-pass metrics published on %s", self.fpm.endpoint)
+        return engine_config
+
+    async def _serve(self, engine_config: EngineConfig) -> None:
+        config, settings = self.config, self.settings
+        served = advertise.served_name(config, engine_config)
+        runtime_data = self._merged_runtime_data(engine_config)
+        aliases = {engine_config.model, *engine_config.model_aliases} - {served}
+        models = ServedModels(base=served, aliases=frozenset(aliases), created=int(time.time()))
+        updates = EngineUpdates(
+            self.engine, metrics=self.metrics, models=models, republish=self._republish
+        )
+        self.canary = self._build_canary(await self._health_check_payload())
+        self.request_plane = RequestPlane(
+            self.engine,
+            models=models,
+            metrics=self.metrics,
+            tracker=self.tracker,
+            budget=budget_from_runtime_data(runtime_data),
+            raw=isinstance(self.engine, RawEngine),
+            on_success=self.canary.record_success if self.canary else None,
+        )
+        self.http_port = await self.request_plane.start(settings.http_host, settings.http_port)
+        host = advertise.advertise_host(settings.http_host, self._environ)
+        logger.info("Request plane listening on http://%s:%d", settings.http_host, self.http_port)
+        self._serving = _Serving(
+            engine_config, runtime_data, updates, f"http://{host}:{self.http_port}"
+        )
+        endpoint = Endpoint(
+            namespace=config.namespace,
+            component=config.component,
+            name=config.endpoint,
+            instance_id=self.instance_id,
+            metrics=EngineMetrics(self.metrics),
+            register=self._register,
+            unregister=self.discovery.unregister,
+        )
+        await self.engine.on_endpoint_ready(endpoint)
+        self._register_admin_routes(endpoint, updates)
+        await updates.refresh()
+        async with self.discovery_lock:
+            if self.signalled.is_set():
+                logger.info("signalled during startup; not registering in discovery")
+                return
+            await self._register()
+            self.registered = True
+            logger.info("Serving %s on %s", served, endpoint.path())
+            self.lifecycle.phase = RUNNING
+            if self.canary is not None:
+                self.canary.start()
+            else:
+                self.health.set_endpoint_ready(config.endpoint, True)
+            self.health.set_system_ready(True)
+
+    def _merged_runtime_data(self, engine_config: EngineConfig) -> dict[str, Any]:
+        data = dict(engine_config.runtime_data or {})
+        budget = data.get(TOKEN_BUDGET_RUNTIME_KEY)
+        if isinstance(budget, str):
+            # `publish_token_budget` semantics: the value travels as JSON text.
+            data[TOKEN_BUDGET_RUNTIME_KEY] = json.loads(budget)
+        operator_budget = self.settings.token_budget
+        if operator_budget is not None:
+            # The operator's budget (DYN_TOKEN_BUDGET_*) wins over the engine's own.
+            data[TOKEN_BUDGET_RUNTIME_KEY] = {
+                "combined_limit": operator_budget.combined_limit,
+                "reject_prompt_overflow": operator_budget.reject_prompt_overflow,
+                "reject_total_overflow": operator_budget.reject_total_overflow,
+            }
+        return data
+
+    def _register_admin_routes(self, endpoint: Endpoint, updates: EngineUpdates) -> None:
+        admin = AdminRoutes(
+            self.lifecycle,
+            control=self.engine.engine_control,
+            update=updates.call,
+            unregister=self.discovery.unregister,
+            register=self._register,
+            discovery_lock=self.discovery_lock,
+        )
+        self.admin = admin
+        for name in sorted(self.engine.supported_controls()):
+            self.routes.register(f"control/{name}", admin.control_route(name))
+        for name in sorted(self.engine.supported_updates()):
+            self.routes.register(f"update/{name}", admin.update_route(name))
+        taints = make_model_taint_handler(endpoint, self._update_taints)
+
+        async def taint_route(body: Any) -> dict[str, Any]:
+            refused = admin.unavailable()
+            return refused if refused is not None else await taints(body)
+
+        self.routes.register(MODEL_TAINT_ROUTE, taint_route)
+
+    async def _health_check_payload(self) -> dict[str, Any] | None:
+        if not self.settings.health_check_enabled:
+            return None
+        payload = self.config.health_check_payload or load_health_check_from_env()
+        if payload is None:
+            try:
+                payload = await self.engine.health_check_payload()
+            except Exception:
+                logger.exception("engine.health_check_payload failed; canary disabled")
+                return None
+        if not isinstance(payload, dict):
+            return None
+        return {**payload, HEALTH_CHECK_KEY: True}
+
+    def _build_canary(self, payload: dict[str, Any] | None) -> Canary | None:
+        if payload is None:
+            return None
+        return Canary(
+            self.engine,
+            health=self.health,
+            endpoint=self.config.endpoint,
+            payload=payload,
+            wait_secs=self.settings.canary_wait_secs,
+            timeout_secs=self.settings.health_check_timeout_secs,
+        )
+
+    # ----- discovery ---------------------------------------------------------------------
+
+    def advertisement(self) -> WorkerAdvertisement:
+        """What discovery publishes now (adapters and taints included)."""
+        serving = self._serving
+        if serving is None:
+            raise RuntimeError("the worker is not serving yet: nothing to advertise")
+        lora_host = getattr(self.engine, "lora_host", None)
+        return advertise.build_advertisement(
+            self.config,
+            serving.engine_config,
+            instance_id=self.instance_id,
+            http_url=serving.http_url,
+            runtime_data=serving.runtime_data,
+            taints=self._taints,
+            adapters=serving.updates.adapters(),
+            max_loras=getattr(lora_host, "max_loras", None),
+        )
+
+    async def _register(self) -> None:
+        await self.discovery.register(self.advertisement())
+
+    async def _republish(self) -> None:
+        # Nothing to update before the first registration or once shutdown began.
+        if self.registered and not self.signalled.is_set():
+            await self.discovery.update(self.advertisement())
+
+    async def _update_taints(self, endpoint: Any, taints: set[str]) -> None:
+        del endpoint
+        self._taints = sorted(taints)
+        await self._republish()
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """What exists once the request plane listens."""
+
+    engine_config: EngineConfig
+    runtime_data: dict[str, Any]
+    updates: EngineUpdates
+    http_url: str

@@ -1,0 +1,96 @@
+"""`/v1/loras` on the system server: LoRA management forwarded to the engine's updates.
+
+* `POST /v1/loras` `{"lora_name": str, "source": {"uri": str[, "sha256": str]}}` -> `load_lora`
+* `DELETE /v1/loras/{name}` (the name may contain `/`) -> `unload_lora`
+* `GET /v1/loras` -> `list_loras`
+
+Each goes to the route registered as `<op>` (legacy workers), else `update/<op>` (the engine
+update, gated by the lifecycle). Answers follow upstream's `LoraResponse`: POST and DELETE
+are 500 when the engine answered `"status": "error"` or forwarding failed, else 200; GET is
+200 whenever forwarding worked. Only the upstream fields (plus `reason` and `hot_swap`,
+which say why a load failed and whether it replaced a version) are passed on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from dynamo.runtime.admin import EngineRoutes
+
+logger = logging.getLogger(__name__)
+
+_RESPONSE_FIELDS = ("status", "message", "lora_name", "lora_id", "loras", "count")
+_EXTRA_FIELDS = ("reason", "hot_swap")
+
+
+def lora_response(result: Any) -> dict[str, Any]:
+    """Project an engine answer onto upstream's `LoraResponse` (`status` defaults to
+    "success"; absent fields are omitted)."""
+    if not isinstance(result, dict):
+        return {"status": "success"}
+    body = {key: result[key] for key in (*_RESPONSE_FIELDS, *_EXTRA_FIELDS) if key in result}
+    body.setdefault("status", "success")
+    return body
+
+
+class LoraRoutes:
+    """The three `/v1/loras` handlers over an `EngineRoutes` registry."""
+
+    def __init__(self, routes: EngineRoutes) -> None:
+        self._routes = routes
+
+    def add_to(self, app: web.Application) -> None:
+        """Mount the routes on `app`."""
+        app.router.add_get("/v1/loras", self.list_loras)
+        app.router.add_post("/v1/loras", self.load_lora)
+        app.router.add_delete("/v1/loras/{lora_name:.+}", self.unload_lora)
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """POST /v1/loras."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError as exc:
+            return _response(
+                {"status": "error", "message": f"request body is not valid JSON: {exc}"}, 400
+            )
+        return await self._forward("load_lora", body, errors_are_500=True)
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        """DELETE /v1/loras/{lora_name}."""
+        name = request.match_info["lora_name"]
+        return await self._forward("unload_lora", {"lora_name": name}, errors_are_500=True)
+
+    async def list_loras(self, request: web.Request) -> web.Response:
+        """GET /v1/loras."""
+        del request
+        return await self._forward("list_loras", {}, errors_are_500=False)
+
+    async def _forward(self, op: str, body: Any, *, errors_are_500: bool) -> web.Response:
+        callback = self._routes.get(op) or self._routes.get(f"update/{op}")
+        if callback is None:
+            message = (
+                f"LoRA management not available: no '{op}' handler is registered (the engine "
+                f"does not advertise the '{op}' update)"
+            )
+            return _response({"status": "error", "message": message}, 500)
+        try:
+            result = await callback(body)
+        except Exception as exc:
+            logger.exception("/v1/loras %s failed", op)
+            return _response({"status": "error", "message": f"{op} failed: {exc}"}, 500)
+        answer = lora_response(result)
+        failed = answer["status"] == "error"
+        return _response(answer, 500 if failed and errors_are_500 else 200)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _response(body: dict[str, Any], status: int) -> web.Response:
+    return web.json_response(body, status=status, dumps=_compact)

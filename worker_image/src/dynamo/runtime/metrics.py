@@ -1,0 +1,205 @@
+"""The worker's Prometheus registry: request, lifecycle, per-rank and LoRA metrics.
+
+Names and labels follow upstream's Rust runtime: every metric is `dynamo_component_<name>`
+with the auto labels `dynamo_namespace`, `dynamo_component`, `dynamo_endpoint` and
+`worker_id` (lower-case hex of the instance id); lifecycle and per-rank gauges add `model`
+and `model_name`. Engines add their own registries through `EngineMetrics` expfmt
+callbacks, whose text is appended to every scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "dynamo_component_"
+REQUEST_DURATION_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+LORA_LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
+
+ExpfmtCallback = Callable[[], str]
+
+
+def auto_labels(namespace: str, component: str, endpoint: str, worker_id: int) -> dict[str, str]:
+    """Upstream's automatic labels for component-scoped metrics."""
+    return {
+        "dynamo_namespace": namespace,
+        "dynamo_component": component,
+        "dynamo_endpoint": endpoint,
+        "worker_id": format(worker_id, "x"),
+    }
+
+
+class RuntimeMetrics:
+    """All runtime-owned metrics of one worker, in a registry of its own."""
+
+    def __init__(
+        self,
+        labels: dict[str, str],
+        *,
+        extra_labels: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """`labels` are the auto labels; `extra_labels` (WorkerConfig.metrics_labels) are
+        added to the request metrics."""
+        # Upstream exposes no `*_created` series; this is process-wide, as is this runtime.
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = dict(labels)
+        self._started = time.monotonic()
+        self._callbacks: list[ExpfmtCallback] = []
+        request_labels = {**self.labels, **dict(extra_labels)}
+        names = list(request_labels)
+        registry = self.registry
+        self.requests = Counter(
+            PREFIX + "requests", "Requests received by the endpoint", names, registry=registry
+        ).labels(**request_labels)
+        self.request_duration = Histogram(
+            PREFIX + "request_duration_seconds",
+            "Time from request arrival to the end of its response",
+            names,
+            registry=registry,
+            buckets=REQUEST_DURATION_BUCKETS,
+        ).labels(**request_labels)
+        self.inflight = Gauge(
+            PREFIX + "inflight_requests", "Requests being processed", names, registry=registry
+        ).labels(**request_labels)
+        self.request_bytes = Counter(
+            PREFIX + "request_bytes", "Request body bytes received", names, registry=registry
+        ).labels(**request_labels)
+        self.response_bytes = Counter(
+            PREFIX + "response_bytes", "Response body bytes sent", names, registry=registry
+        ).labels(**request_labels)
+        self._errors = Counter(
+            PREFIX + "errors",
+            "Requests that failed, by error type",
+            [*names, "error_type"],
+            registry=registry,
+        )
+        self._request_labels = request_labels
+        self.cancellations = Counter(
+            PREFIX + "cancellation",
+            "Requests cancelled (client gone or aborted at shutdown)",
+            names,
+            registry=registry,
+        ).labels(**request_labels)
+        uptime = Gauge(
+            PREFIX + "uptime_seconds",
+            "Seconds since the worker runtime started",
+            list(self.labels),
+            registry=registry,
+        ).labels(**self.labels)
+        uptime.set_function(lambda: time.monotonic() - self._started)
+        self._lora_metrics()
+        self.model_labels: dict[str, str] = {}
+
+    def _lora_metrics(self) -> None:
+        names = list(self.labels)
+        registry = self.registry
+        self.lora_loaded = Gauge(
+            PREFIX + "lora_adapters_loaded", "LoRA adapters loaded", names, registry=registry
+        ).labels(**self.labels)
+        self.lora_load_duration = Histogram(
+            PREFIX + "lora_load_duration_seconds",
+            "Time to load a LoRA adapter (download included), successful or not",
+            names,
+            registry=registry,
+            buckets=LORA_LOAD_BUCKETS,
+        ).labels(**self.labels)
+        self._lora_failures = Counter(
+            PREFIX + "lora_load_failures",
+            "LoRA adapter loads that failed, by reason",
+            [*names, "reason"],
+            registry=registry,
+        )
+        self.lora_downloaded_bytes = Counter(
+            PREFIX + "lora_downloaded_bytes",
+            "Bytes of LoRA adapters downloaded (cache hits and file:// count 0)",
+            names,
+            registry=registry,
+        ).labels(**self.labels)
+
+    def count_error(self, error_type: str) -> None:
+        """Count one failed request of `error_type`."""
+        self._errors.labels(**self._request_labels, error_type=error_type).inc()
+
+    def count_lora_failure(self, reason: str) -> None:
+        """Count one failed LoRA load with its reason."""
+        self._lora_failures.labels(**self.labels, reason=reason).inc()
+
+    def set_model(self, model: str, model_name: str) -> LifecycleGauges:
+        """Create the lifecycle gauges once the engine reported its model."""
+        self.model_labels = {**self.labels, "model": model, "model_name": model_name}
+        return LifecycleGauges(self.registry, self.model_labels)
+
+    def add_callback(self, callback: ExpfmtCallback) -> None:
+        """Append `callback()`'s exposition text to every scrape."""
+        self._callbacks.append(callback)
+
+    def exposition(self) -> str:
+        """The full `/metrics` text: this registry, then every callback's text.
+
+        A failing callback is logged and skipped so one engine bug cannot hide the rest.
+        """
+        parts = [generate_latest(self.registry).decode("utf-8")]
+        for callback in list(self._callbacks):
+            try:
+                text = callback()
+            except Exception:
+                logger.exception("metrics callback %r failed", callback)
+                continue
+            if text:
+                parts.append(text if text.endswith("\n") else text + "\n")
+        return "".join(parts)
+
+
+class LifecycleGauges:
+    """`model_load_time_seconds`, `drain_time_seconds` and `cleanup_time_seconds`."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            child: Gauge = Gauge(PREFIX + name, doc, names, registry=registry).labels(**labels)
+            child.set(0)
+            return child
+
+        self.model_load_time = gauge("model_load_time_seconds", "Time engine.start took")
+        self.drain_time = gauge("drain_time_seconds", "Time the shutdown drain took")
+        self.cleanup_time = gauge("cleanup_time_seconds", "Time engine.cleanup took")
+
+
+class EngineMetrics:
+    """What an engine's `register_prometheus(metrics)` receives.
+
+    `auto_labels` are the labels to stamp on the engine's own metrics;
+    `register_prometheus_expfmt_callback(fn)` adds `fn()`'s text to `/metrics`.
+    """
+
+    def __init__(self, runtime_metrics: RuntimeMetrics) -> None:
+        self._runtime_metrics = runtime_metrics
+
+    @property
+    def auto_labels(self) -> dict[str, str]:
+        """The worker's auto labels plus `model` and `model_name`."""
+        return dict(self._runtime_metrics.model_labels or self._runtime_metrics.labels)
+
+    def register_prometheus_expfmt_callback(self, callback: ExpfmtCallback) -> None:
+        """Append `callback()` (Prometheus text) to every scrape."""
+        self._runtime_metrics.add_callback(callback)
+
+    def add_expfmt_callback(self, callback: ExpfmtCallback) -> None:
+        """Alias of `register_prometheus_expfmt_callback`."""
+        self._runtime_metrics.add_callback(callback)

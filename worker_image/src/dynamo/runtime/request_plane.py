@@ -1,0 +1,445 @@
+"""The request plane: the worker's own HTTP server (`DYN_HTTP_HOST:DYN_HTTP_PORT`).
+
+Routes:
+* `POST /v1/generate`: token level. A `GenerateRequest` JSON in, the engine's
+  `GenerateChunk`s out as newline-delimited JSON (`application/x-ndjson`). Raw engines get the
+  body as is and stream their response objects the same way.
+* `POST /v1/completions`, `POST /v1/chat/completions`: OpenAI-compatible, streamed as SSE
+  with `"stream": true`, using the engine's `tokenizer` (and its chat template).
+* `GET /v1/models`: the base model and the loaded adapters.
+
+`model` picks the base model or an adapter. The token budget is enforced before the engine
+sees a request. A client that disconnects cancels its handler, which kills the request's
+context and so aborts it in the engine. While the worker drains, new requests get 503 with
+`Retry-After`. The transport is kept apart from the serving logic (`EngineStreamer`,
+`InflightTracker`) so another request plane (upstream's TCP one) can reuse them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from dynamo.common.backend import BaseEngine
+from dynamo.common.token_budget import TokenBudget
+from dynamo.runtime import openai
+from dynamo.runtime.budget import TokenBudgetExceeded, enforce_token_budget
+from dynamo.runtime.context import Context
+from dynamo.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
+from dynamo.runtime.generation import EngineStreamer, StreamIncomplete
+from dynamo.runtime.inflight import InflightRequest, InflightTracker
+from dynamo.runtime.metrics import RuntimeMetrics
+from dynamo.runtime.models import ServedModels
+from dynamo.runtime.openai import RequestError
+from dynamo.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECS = "1"
+_json = msgspec.json.Encoder()
+_SSE_DONE = b"data: [DONE]\n\n"
+
+Handler = Callable[[web.Request, Any, Context, InflightRequest], Awaitable[web.StreamResponse]]
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(event) + b"\n\n"
+
+
+class RequestPlane:
+    """Serves one engine's requests over HTTP (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: BaseEngine,
+        *,
+        models: ServedModels,
+        metrics: RuntimeMetrics,
+        tracker: InflightTracker,
+        budget: TokenBudget | None = None,
+        raw: bool = False,
+        on_success: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_success` is called after each request that produced output without error
+        (the canary uses it to know the engine works)."""
+        self._engine = engine
+        self.models = models
+        self._metrics = metrics
+        self._tracker = tracker
+        self.budget = budget
+        self._raw = raw
+        self._on_success = on_success
+        self._streamer = EngineStreamer(engine)
+        self._runner: web.AppRunner | None = None
+
+    # ----- server ------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The aiohttp application with the request-plane routes."""
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/generate", self._route(self._generate))
+        app.router.add_post("/v1/completions", self._route(self._completions))
+        app.router.add_post("/v1/chat/completions", self._route(self._chat))
+        app.router.add_get("/v1/models", self._list_models)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host:port` (0 = ephemeral); return the bound port."""
+        # handler_cancellation: a client disconnect cancels its handler, so the engine
+        # learns about it at once instead of at the next write.
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return _bound_port(self._runner)
+
+    async def stop(self) -> None:
+        """Close the listener and any remaining connections (idempotent)."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # ----- common handling ---------------------------------------------------------------
+
+    def _route(self, handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def serve(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, handler)
+
+        return serve
+
+    async def _serve(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not self._tracker.accepting:
+            self._metrics.count_error("unavailable")
+            return self._unavailable()
+        started = time.perf_counter()
+        metrics = self._metrics
+        context = Context(request.headers.get("x-request-id"))
+        record = self._tracker.begin(context)
+        metrics.requests.inc()
+        metrics.inflight.inc()
+        try:
+            raw_body = await request.read()
+            metrics.request_bytes.inc(len(raw_body))
+            try:
+                body = msgspec.json.decode(raw_body) if raw_body else None
+            except msgspec.DecodeError as exc:
+                raise RequestError(f"request body is not valid JSON: {exc}") from None
+            self._streamer.watch(context)
+            return await handler(request, body, context, record)
+        except RequestError as exc:
+            metrics.count_error("not_found" if exc.status == 404 else "invalid_argument")
+            return self._json(openai.error_body(str(exc), exc.status, exc.param), exc.status)
+        except asyncio.CancelledError:
+            if record.forced:
+                raise
+            context.kill("client")
+            metrics.cancellations.inc()
+            raise
+        except Exception as exc:
+            return self._json({"error": self._stream_error(exc)}, 500)
+        finally:
+            self._tracker.end(record)
+            metrics.inflight.dec()
+            metrics.request_duration.observe(time.perf_counter() - started)
+
+    def _json(self, body: Any, status: int = 200) -> web.Response:
+        data = _json.encode(body)
+        self._metrics.response_bytes.inc(len(data))
+        return web.Response(body=data, status=status, content_type="application/json")
+
+    def _unavailable(self) -> web.Response:
+        body = openai.error_body(
+            "the worker is shutting down and accepts no new requests; retry on another worker",
+            503,
+        )
+        response = self._json(body, 503)
+        response.headers["Retry-After"] = RETRY_AFTER_SECS
+        return response
+
+    def _tokenizer(self) -> Tokenizer:
+        tokenizer = getattr(self._engine, "tokenizer", None)
+        if tokenizer is None or self._raw:
+            raise RequestError(
+                "this engine serves no text routes (it exposes no tokenizer); use /v1/generate",
+                status=404,
+            )
+        return tokenizer
+
+    def _engine_request(
+        self, token_ids: list[int], body: dict[str, Any], *, max_tokens: int | None
+    ) -> dict[str, Any]:
+        adapter = self.models.resolve(body.get("model"))
+        max_tokens = self._check_budget(len(token_ids), max_tokens)
+        request: dict[str, Any] = {
+            "token_ids": token_ids,
+            "model": adapter or self.models.base,
+            "sampling_options": openai.sampling_options(body),
+            "stop_conditions": openai.stop_conditions(body, max_tokens),
+        }
+        if adapter is not None:
+            request["routing"] = {"lora_name": adapter}
+        return request
+
+    def _check_budget(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
+        try:
+            return enforce_token_budget(self.budget, prompt_tokens, max_tokens)
+        except TokenBudgetExceeded as exc:
+            raise RequestError(str(exc), param="max_tokens") from None
+
+    # ----- /v1/models --------------------------------------------------------------------
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        del request
+        return self._json(self.models.listing())
+
+    # ----- /v1/generate ------------------------------------------------------------------
+
+    async def _generate(
+        self, request: web.Request, body: Any, context: Context, record: InflightRequest
+    ) -> web.StreamResponse:
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object (a GenerateRequest)")
+        engine_request = dict(body)
+        if not self._raw:
+            token_ids = body.get("token_ids")
+            if not isinstance(token_ids, list) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in token_ids
+            ):
+                raise RequestError("'token_ids' must be an array of integers", param="token_ids")
+            adapter = self.models.resolve(body.get("model"))
+            engine_request["model"] = adapter or self.models.base
+            conditions = dict(body.get("stop_conditions") or {})
+            max_tokens = self._check_budget(len(token_ids), conditions.get("max_tokens"))
+            if max_tokens is not None:
+                conditions["max_tokens"] = max_tokens
+                engine_request["stop_conditions"] = conditions
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        sent = 0
+        try:
+            async for chunk in self._streamer.stream(
+                engine_request, context, record, raw=self._raw
+            ):
+                line = _json.encode(chunk) + b"\n"
+                sent += len(line)
+                await response.write(line)
+            self._succeeded()
+        except Exception as exc:
+            line = _json.encode({"error": self._stream_error(exc)}) + b"\n"
+            sent += len(line)
+            await response.write(line)
+        finally:
+            self._metrics.response_bytes.inc(sent)
+        await response.write_eof()
+        return response
+
+    # ----- /v1/completions and /v1/chat/completions --------------------------------------
+
+    async def _completions(
+        self, request: web.Request, body: Any, context: Context, record: InflightRequest
+    ) -> web.StreamResponse:
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        tokenizer = self._tokenizer()
+        prompt = openai.completion_prompt(body)
+        token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self._text_response(
+            request, body, context, record, tokenizer, token_ids, chat=False
+        )
+
+    async def _chat(
+        self, request: web.Request, body: Any, context: Context, record: InflightRequest
+    ) -> web.StreamResponse:
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        tokenizer = self._tokenizer()
+        messages = openai.chat_messages(body)
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:
+            raise RequestError(f"cannot apply the model's chat template: {exc}") from None
+        token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return await self._text_response(
+            request, body, context, record, tokenizer, token_ids, chat=True
+        )
+
+    async def _text_response(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        context: Context,
+        record: InflightRequest,
+        tokenizer: Tokenizer,
+        token_ids: list[int],
+        *,
+        chat: bool,
+    ) -> web.StreamResponse:
+        engine_request = self._engine_request(
+            token_ids, body, max_tokens=openai.max_tokens_of(body, chat=chat)
+        )
+        model = body.get("model") or self.models.base
+        stops = openai.stop_strings(body)
+        events = self._text_events(engine_request, context, record, tokenizer, stops)
+        response_id = openai.new_id("chatcmpl" if chat else "cmpl")
+        created = openai.now()
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            return await self._stream_text(
+                request, events, response_id, created, model, chat=chat, include_usage=include_usage
+            )
+        text_parts: list[str] = []
+        finish: str | None = None
+        async for text, reason in events:
+            text_parts.append(text)
+            finish = reason or finish
+        usage = openai.usage(len(token_ids), events_usage(events))
+        build = openai.chat_response if chat else openai.completion_response
+        self._succeeded()
+        return self._json(build(response_id, created, model, "".join(text_parts), finish, usage))
+
+    async def _stream_text(
+        self,
+        request: web.Request,
+        events: TextEvents,
+        response_id: str,
+        created: int,
+        model: str,
+        *,
+        chat: bool,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        sent = 0
+
+        async def send(data: bytes) -> None:
+            nonlocal sent
+            sent += len(data)
+            await response.write(data)
+
+        try:
+            if chat:
+                role = {"role": "assistant", "content": ""}
+                await send(_sse(openai.chat_chunk(response_id, created, model, role, None)))
+            async for text, reason in events:
+                if chat:
+                    delta = {"content": text} if text else {}
+                    event = openai.chat_chunk(response_id, created, model, delta, reason)
+                else:
+                    event = openai.completion_chunk(response_id, created, model, text, reason)
+                await send(_sse(event))
+            if include_usage:
+                usage = openai.usage(events.prompt_tokens, events_usage(events))
+                chunk = openai.usage_chunk(
+                    response_id, created, model, chat=chat, usage_block=usage
+                )
+                await send(_sse(chunk))
+            await send(_SSE_DONE)
+            self._succeeded()
+        except Exception as exc:
+            await send(b"event: error\n" + _sse({"error": self._stream_error(exc)}))
+        finally:
+            self._metrics.response_bytes.inc(sent)
+        await response.write_eof()
+        return response
+
+    def _text_events(
+        self,
+        engine_request: dict[str, Any],
+        context: Context,
+        record: InflightRequest,
+        tokenizer: Tokenizer,
+        stops: list[str],
+    ) -> TextEvents:
+        chunks = self._streamer.stream(engine_request, context, record, raw=False)
+        return TextEvents(chunks, context, tokenizer, stops, len(engine_request["token_ids"]))
+
+    def _stream_error(self, exc: Exception) -> dict[str, Any]:
+        if isinstance(exc, RequestError):
+            self._metrics.count_error("invalid_argument")
+            return openai.error_body(str(exc), exc.status, exc.param)["error"]
+        kind = "stream_incomplete" if isinstance(exc, StreamIncomplete) else "internal"
+        self._metrics.count_error(kind)
+        logger.error("request failed in the engine: %s", exc, exc_info=exc)
+        return openai.error_body(f"engine error: {exc}", 500)["error"]
+
+    def _succeeded(self) -> None:
+        if self._on_success is not None:
+            self._on_success()
+
+
+class TextEvents:
+    """Engine chunks as `(text delta, OpenAI finish reason or None)` pairs, with stop
+    strings applied; counts completion tokens as it goes."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[dict[str, Any]],
+        context: Context,
+        tokenizer: Tokenizer,
+        stops: list[str],
+        prompt_tokens: int,
+    ) -> None:
+        self._chunks = chunks
+        self._context = context
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stops = StopStringFilter(stops)
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.engine_usage: dict[str, Any] | None = None
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[tuple[str, str | None]]:
+        stops = self._stops
+        detokenizer = self._detokenizer
+        try:
+            async for chunk in self._chunks:
+                token_ids = chunk.get("token_ids") or ()
+                self.completion_tokens += len(token_ids)
+                text = stops.feed(detokenizer.add(token_ids)) if token_ids else ""
+                if stops.stopped:
+                    # A stop string ended the output: stop the engine (it is aborted).
+                    self._context.stop_generating("stop")
+                    yield text, "stop"
+                    return
+                reason = chunk.get("finish_reason")
+                if reason is not None:
+                    self.engine_usage = chunk.get("completion_usage")
+                    text += stops.feed(detokenizer.flush())
+                    text += stops.flush()
+                    yield text, openai.openai_finish_reason(reason)
+                    return
+                if text:
+                    yield text, None
+        finally:
+            await self._chunks.aclose()  # type: ignore[attr-defined]
+
+
+def events_usage(events: TextEvents) -> int:
+    """Completion tokens: the engine's count when it reported one, else the tokens seen."""
+    usage = events.engine_usage
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return int(usage["completion_tokens"])
+    return events.completion_tokens
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    raise RuntimeError("the request plane is not listening on a TCP port")
