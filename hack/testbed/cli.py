@@ -166,7 +166,9 @@ def up(layout: Layout, ports: Ports) -> None:
 
 
 def down(layout: Layout) -> None:
-    for name in STOP_ORDER:
+    # Our components in order, then anything else started beside them (e.g. the demo's S3).
+    extra = sorted(p.stem for p in layout.pids.glob("*.pid") if p.stem not in STOP_ORDER)
+    for name in [*extra, *STOP_ORDER]:
         if daemons.pid_of(layout, name):
             say(f"stopping {name}")
         daemons.stop(layout, name)

@@ -1,0 +1,292 @@
+"""`hack/demo [up] | down`: the whole system on this machine, no GPU and no Docker needed.
+
+`up` starts the test bed, installs the chart (the operator runs as a pod on the process node,
+authenticated by its own ServiceAccount token), starts an S3-compatible server holding two
+adapters made by hack/make-tiny-model, applies a DynamoWorker (2 worker pods running the
+tiny Llama on the CPU) and two LoRAAdapters, waits with visible progress, then shows what
+runs and asks the workers for chat completions from the base model and each adapter.
+`down` stops everything and leaves no process, namespace or route behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from testbed import daemons
+from testbed.layout import GATEWAY_IP, PROCESS_NODE_TAINT_KEY, REPO_DIR, Layout
+
+NAMESPACE = "dynamo-demo"
+OPERATOR_NAMESPACE = "dynamo-system"
+RELEASE = "dynamo-operator"
+S3_PORT = 19000
+BUCKET = "demo-adapters"
+ADAPTERS = ("sql-lora", "poet-lora")
+# Demo-only credentials for the demo's own S3 server; a real cluster references its own Secret.
+S3_KEY_ID, S3_SECRET = "demo-access-key", "demo-secret-key"
+PROCESS_NODE = {
+    "nodeSelector": {"dynamo.dev/node-kind": "process"},
+    "tolerations": [{"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def say(message: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Demo:
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.state = layout.root / "demo"
+        self.bin_dir = (
+            Path(layout.bin_dir_file.read_text().strip()) if layout.bin_dir_file.exists() else None
+        )
+
+    # --- tools ---------------------------------------------------------------------------
+
+    def tool(self, name: str, *args: str, stdin: str | None = None, check: bool = True) -> str:
+        assert self.bin_dir is not None
+        env = {**os.environ, "KUBECONFIG": str(self.layout.kubeconfig)}
+        result = subprocess.run(
+            [str(self.bin_dir / name), *args], input=stdin, capture_output=True, text=True, env=env
+        )
+        if check and result.returncode != 0:
+            raise SystemExit(f"{name} {' '.join(args)} failed:\n{result.stderr.strip()}")
+        return result.stdout
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
+        return self.tool("kubectl", *args, stdin=stdin, check=check)
+
+    def apply(self, *objects: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+
+    def get(self, kind: str, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        out = self.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+        return json.loads(out) if out else {}
+
+    # --- steps ---------------------------------------------------------------------------
+
+    def up(self) -> None:
+        started = time.monotonic()
+        say("starting the test bed (the first run builds Kubernetes from source: 15-30 min)")
+        subprocess.run(
+            [str(REPO_DIR / "hack" / "cluster"), "up"], check=True, stdout=subprocess.DEVNULL
+        )
+        self.bin_dir = Path(self.layout.bin_dir_file.read_text().strip())
+        self.state.mkdir(parents=True, exist_ok=True)
+        model = self.make_model()
+        self.start_s3(model)
+        self.install_operator()
+        self.apply_workloads(model)
+        self.wait_ready()
+        self.show()
+        say(f"done in {time.monotonic() - started:.0f}s")
+        print(
+            '\nExplore:  eval "$(hack/cluster env)"; kubectl get dw,lora,pods -A\n'
+            f"          kubectl -n {NAMESPACE} describe lora sql-lora\n"
+            "Stop:     hack/demo down"
+        )
+
+    def make_model(self) -> Path:
+        model = self.state / "model"
+        if not (model / "base" / "config.json").exists():
+            say("writing the tiny Llama checkpoint and its LoRA adapters (hack/make-tiny-model)")
+            subprocess.run(
+                [str(REPO_DIR / "hack" / "make-tiny-model"), str(model)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+        return model
+
+    def start_s3(self, model: Path) -> None:
+        say(f"starting an S3-compatible server (moto) at {GATEWAY_IP}:{S3_PORT}")
+        daemons.start(
+            self.layout,
+            "demo-s3",
+            [sys.executable, "-m", "moto.server", "-H", GATEWAY_IP, "-p", str(S3_PORT)],
+        )
+        endpoint = f"http://{GATEWAY_IP}:{S3_PORT}"
+        if not daemons.wait_for(lambda: _answers(endpoint), 60, 0.2):
+            raise SystemExit(f"the S3 server did not start; see {self.layout.logs}/demo-s3.log")
+        import boto3
+
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_KEY_ID,
+            aws_secret_access_key=S3_SECRET,
+            region_name="us-east-1",
+        )
+        if BUCKET not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
+            s3.create_bucket(Bucket=BUCKET)
+        for name in ADAPTERS:
+            for path in (model / "adapters" / name).rglob("*"):
+                if path.is_file():
+                    key = f"{name}/{path.relative_to(model / 'adapters' / name).as_posix()}"
+                    s3.upload_file(str(path), BUCKET, key)
+        say(f"uploaded adapters {', '.join(ADAPTERS)} to s3://{BUCKET}/")
+
+    def install_operator(self) -> None:
+        say("installing the chart (operator pod on the process node, CRDs, RBAC)")
+        values = {
+            "nodeSelector": PROCESS_NODE["nodeSelector"],
+            "tolerations": PROCESS_NODE["tolerations"],
+        }
+        values_file = self.state / "operator-values.yaml"
+        values_file.write_text(yaml.safe_dump(values))
+        self.tool(
+            "helm", "upgrade", "--install", RELEASE, str(REPO_DIR / "helm" / "dynamo-operator"),
+            "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "-f", str(values_file),
+            "--wait", "--timeout", "5m",
+        )  # fmt: skip
+
+    def apply_workloads(self, model: Path) -> None:
+        say("applying a DynamoWorker (2 replicas, tiny model) and two LoRAAdapters")
+        self.kubectl("create", "namespace", NAMESPACE, check=False)
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "demo-s3", "namespace": NAMESPACE},
+            "stringData": {"AWS_ACCESS_KEY_ID": S3_KEY_ID, "AWS_SECRET_ACCESS_KEY": S3_SECRET},
+        }
+        worker = {
+            "apiVersion": "dynamo.dev/v1alpha1",
+            "kind": "DynamoWorker",
+            "metadata": {"name": "tiny", "namespace": NAMESPACE},
+            "spec": {
+                "model": {"name": "tiny-llama", "source": str(model / "base"),
+                          "servedModelName": "tiny-llama"},
+                "replicas": 2,
+                "resources": {"gpusPerPod": 1, "cpu": "1", "memory": "2Gi"},
+                "lora": {"enabled": True, "maxLoras": 2},
+                "tokenBudget": {"combinedLimit": 2048, "rejectPromptOverflow": True},
+                "modelTaints": ["demo=true"],
+                "drain": {"gracePeriodSeconds": 1, "drainTimeoutSeconds": 10},
+                "credentials": {"s3": {"secretName": "demo-s3",
+                                       "endpoint": f"http://{GATEWAY_IP}:{S3_PORT}"}},
+                "pod": {**PROCESS_NODE, "env": [{"name": "AWS_ALLOW_HTTP", "value": "true"}]},
+            },
+        }  # fmt: skip
+        adapters = [
+            {
+                "apiVersion": "dynamo.dev/v1alpha1",
+                "kind": "LoRAAdapter",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"workerRef": {"name": "tiny"}, "source": {"uri": f"s3://{BUCKET}/{name}"}},
+            }
+            for name in ADAPTERS
+        ]
+        self.apply(secret, worker, *adapters)
+
+    def wait_ready(self, within: float = 600) -> None:
+        deadline = time.monotonic() + within
+        last = ""
+        while True:
+            dw = self.get("dw", "tiny")
+            loras = [self.get("lora", name) for name in ADAPTERS]
+            line = (
+                f"DynamoWorker tiny: {_ready(dw)} ({dw.get('status', {}).get('readyReplicas', 0)}"
+                f"/2 pods ready); "
+                + "; ".join(
+                    f"{name}: {lora.get('status', {}).get('loaded', '-')} loaded"
+                    for name, lora in zip(ADAPTERS, loras, strict=True)
+                )
+            )
+            if line != last:
+                say(line)
+                last = line
+            if _ready(dw) == "Ready" and all(_ready(lora) == "Ready" for lora in loras):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"not ready within {within:.0f}s; see `kubectl -n {NAMESPACE} describe dw,lora`"
+                )
+            time.sleep(2)
+
+    def show(self) -> None:
+        print(self.kubectl("get", "dw,lora,pods", "-n", NAMESPACE, "-o", "wide"))
+        pods = json.loads(self.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json"))["items"]
+        pod_ip = next(p["status"]["podIP"] for p in pods if p["status"].get("podIP"))
+        for model in ("tiny-llama", *ADAPTERS):
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "Say something about databases."}],
+                "max_tokens": 12,
+                "temperature": 0,
+            }
+            answer = _post(f"http://{pod_ip}:8000/v1/chat/completions", body)
+            text = answer["choices"][0]["message"]["content"]
+            print(f"chat completion from {model:11} -> {text!r}")
+        metrics = _get_text(f"http://{pod_ip}:9090/metrics")
+        ranked = [
+            line for line in metrics.splitlines() if "dp_rank=" in line and not line.startswith("#")
+        ]
+        print("\nworker metrics with dp_rank (first lines):")
+        print("\n".join(ranked[:5]))
+        status = self.get("dw", "tiny").get("status", {})
+        for pod in status.get("pods", []):
+            print(
+                f"pod {pod.get('name')}: published token budget {pod.get('tokenBudget')}, "
+                f"taints {pod.get('taints')}, adapters {pod.get('loadedAdapters')}"
+            )
+
+    def down(self) -> None:
+        daemons.stop(self.layout, "demo-s3")
+        subprocess.run([str(REPO_DIR / "hack" / "cluster"), "down"], check=True)
+        say("demo stopped")
+
+
+def _ready(obj: dict[str, Any]) -> str:
+    for condition in obj.get("status", {}).get("conditions", []):
+        if condition.get("type") == "Ready":
+            return (
+                "Ready"
+                if condition.get("status") == "True"
+                else condition.get("reason", "NotReady")
+            )
+    return "Pending"
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except OSError as exc:
+        return getattr(exc, "code", None) is not None  # an HTTP error still means it answers
+    return True
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def _get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hack/demo", description=__doc__)
+    parser.add_argument("command", nargs="?", default="up", choices=["up", "down"])
+    args = parser.parse_args(argv)
+    demo = Demo(Layout.from_env())
+    if args.command == "up":
+        demo.up()
+    else:
+        demo.down()
+
+
+if __name__ == "__main__":
+    main()
