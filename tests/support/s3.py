@@ -60,9 +60,9 @@ class S3Server:
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def start_s3_server() -> tuple[ThreadedMotoServer, S3Server]:
-    """Start moto's server on 127.0.0.1 with an OS-chosen port."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+def start_s3_server(host: str = "127.0.0.1") -> tuple[ThreadedMotoServer, S3Server]:
+    """Start moto's server on `host` (loopback by default) with an OS-chosen port."""
+    server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
@@ -74,6 +74,21 @@ def start_s3_server() -> tuple[ThreadedMotoServer, S3Server]:
         "AWS_REGION": REGION,
     }
     return server, S3Server(endpoint_url=endpoint, env=env)
+
+
+# The test bed's host address: process-node pods reach it, and nothing outside the machine can.
+TESTBED_HOST = "198.18.0.1"
+
+
+@pytest.fixture(scope="session")
+def testbed_s3_server() -> Iterator[S3Server]:
+    """One moto S3 server on the test bed's host address, reachable from process-node pods
+    (and from this machine); needs the test bed's network to be up."""
+    server, info = start_s3_server(TESTBED_HOST)
+    try:
+        yield info
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -42,15 +42,28 @@ def test_every_handler_is_registered_with_a_stable_id() -> None:
         "activities": {h.id for h in registry._activities.get_all_handlers()},
     }
     assert ids == {
-        "changing": {"reconcile"},
-        "spawning": {"resync"},
-        "indexing": {"worker_pods", "pod_workers", "worker_metadata"},
-        "watching": {"deployment_changed", "pod_changed", "metadata_changed"},
+        "changing": {"reconcile", "lora_unload"},
+        "spawning": {"resync", "lora_sync"},
+        "indexing": {
+            "worker_pods",
+            "pod_workers",
+            "worker_metadata",
+            "dynamo_workers",
+            "lora_adapters",
+        },
+        "watching": {
+            "deployment_changed",
+            "pod_changed",
+            "metadata_changed",
+            "lora_changed",
+            "lora_pod_changed",
+            "lora_worker_changed",
+        },
         "activities": {"login", "start", "stop", "watching"},
     }
     reasons = {h.reason for h in registry._changing.get_all_handlers()}
     initial = {h.initial for h in registry._changing.get_all_handlers()}
-    assert reasons == {"create", "update", None}  # resume handlers carry no reason
+    assert reasons == {"create", "update", "delete", None}  # resume handlers carry no reason
     assert True in initial
 
 

@@ -45,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
         help="worker image for DynamoWorkers without spec.image (env DYNAMO_WORKER_IMAGE)",
     )
     run.add_argument(
+        "--worker-image-pull-secret",
+        action="append",
+        dest="worker_image_pull_secrets",
+        metavar="SECRET",
+        help="imagePullSecret of every worker pod, for a private registry (repeat for more)",
+    )
+    run.add_argument(
         "--metrics-port",
         type=int,
         default=8080,
@@ -78,6 +85,7 @@ def _run(args: argparse.Namespace) -> int:
             namespaces=tuple(args.namespaces or ()),
             all_namespaces=args.all_namespaces,
             worker_image=args.worker_image,
+            worker_image_pull_secrets=tuple(args.worker_image_pull_secrets or ()),
             metrics_port=args.metrics_port,
             health_port=args.health_port,
             resync_seconds=args.resync_seconds,

@@ -7,6 +7,12 @@
   API server (`verb` is get, apply, delete, patch-status, create, list); the write verbs are
   what "zero writes when converged" counts.
 - `dynamo_operator_model_taint_pushes_total{result}`: model-taint POSTs to worker pods.
+- `dynamo_operator_lora_load_duration_seconds`: from when a pod should serve an adapter's
+  current source (the LoRAAdapter applied or edited, or the pod became a target) until the
+  operator saw the pod list it, per pod.
+- `dynamo_operator_lora_load_failures_total{reason}`: failed adapter loads, by CamelCase reason.
+- `dynamo_operator_lora_adapters{namespace,pod}`: adapters each worker pod lists in
+  `GET /v1/loras`, as last seen.
 """
 
 from __future__ import annotations
@@ -51,6 +57,25 @@ class OperatorMetrics:
             "dynamo_operator_model_taint_pushes",
             "POST /engine/update/model_taints requests to worker pods, by result.",
             ["result"],
+            registry=self.registry,
+        )
+
+        self.lora_load_duration = Histogram(
+            "dynamo_operator_lora_load_duration_seconds",
+            "Time from a LoRAAdapter's source being wanted on a pod until the pod serves it.",
+            registry=self.registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+        )
+        self.lora_load_failures = Counter(
+            "dynamo_operator_lora_load_failures",
+            "Adapter loads that failed, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.lora_adapters = Gauge(
+            "dynamo_operator_lora_adapters",
+            "LoRA adapters a worker pod lists (GET /v1/loras), as last seen.",
+            ["namespace", "pod"],
             registry=self.registry,
         )
 

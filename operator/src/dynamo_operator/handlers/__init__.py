@@ -11,7 +11,7 @@ import logging
 
 import kopf
 
-from dynamo_operator.handlers import dynamoworker, lifecycle
+from dynamo_operator.handlers import dynamoworker, lifecycle, loraadapter
 from dynamo_operator.handlers.context import OperatorConfig, OperatorContext
 
 
@@ -20,6 +20,7 @@ def build_registry() -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     lifecycle.register(registry)
     dynamoworker.register(registry)
+    loraadapter.register(registry)
     return registry
 
 

@@ -17,7 +17,9 @@ Settings are deliberate rather than kopf's defaults:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -71,12 +73,26 @@ def watcher_problem(task_names: list[str], namespaces: tuple[str, ...]) -> str |
     return None
 
 
+def in_cluster_server(default: str) -> str:
+    """The API server's address from the environment the kubelet sets, as client-go's
+    in-cluster config takes it; `default` (kopf's `https://kubernetes.default.svc`, which
+    needs cluster DNS) only when the environment does not say."""
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    port = os.environ.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return default
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
 def register(registry: kopf.OperatorRegistry) -> None:
     """Register startup, cleanup, login and probes on `registry`."""
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        in_cluster = kopf.login_with_service_account(**kwargs)
+        if in_cluster is not None:
+            return dataclasses.replace(in_cluster, server=in_cluster_server(in_cluster.server))
+        return kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(id="start", registry=registry)
     async def start(memo: OperatorContext, **_: Any) -> None:

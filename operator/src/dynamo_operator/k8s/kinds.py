@@ -39,6 +39,7 @@ POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
 POD = Kind("v1", "Pod", "pods")
 EVENT = Kind("events.k8s.io/v1", "Event", "events")
 DYNAMO_WORKER = Kind(API_VERSION, "DynamoWorker", "dynamoworkers")
+LORA_ADAPTER = Kind(API_VERSION, "LoRAAdapter", "loraadapters")
 DYNAMO_WORKER_METADATA = Kind(dwm.API_VERSION, dwm.KIND, dwm.PLURAL)
 CRD = Kind(
     "apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions", False
@@ -55,6 +56,7 @@ ALL = (
     POD,
     EVENT,
     DYNAMO_WORKER,
+    LORA_ADAPTER,
     DYNAMO_WORKER_METADATA,
     CRD,
 )

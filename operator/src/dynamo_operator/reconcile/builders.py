@@ -281,6 +281,8 @@ def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifes
         "containers": [container],
         "volumes": volumes,
     }
+    if settings.worker_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
     pod_labels = dict(spec.pod.labels) if spec.pod else {}
     pod_annotations = dict(spec.pod.annotations) if spec.pod else {}
     pod_labels.update({**common_labels(worker), **DISCOVERY_LABELS})

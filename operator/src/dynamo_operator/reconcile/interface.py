@@ -27,6 +27,7 @@ LIVE_PATH = "/live"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 MODEL_TAINTS_PATH = "/engine/update/model_taints"
+LORAS_PATH = "/v1/loras"
 
 # Writable places under a read-only root filesystem, each an emptyDir (or the LoRA cache's
 # PVC): /tmp and HOME, the model download cache, LoRA adapters, and the in-memory /dev/shm.
@@ -99,6 +100,12 @@ DOWNWARD_ENV = {
     Env.POD_UID: "metadata.uid",
     Env.POD_IP: "status.podIP",
 }
+
+
+def system_url(ip: str, path: str) -> str:
+    """`path` on the system server of the pod at `ip` (IPv6 addresses bracketed)."""
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{SYSTEM_PORT}{path}"
 
 
 def dynamo_namespace(namespace: str, worker: str) -> str:

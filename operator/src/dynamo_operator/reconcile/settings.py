@@ -10,10 +10,13 @@ from dataclasses import dataclass
 class ReconcileSettings:
     """Operator-wide inputs of the builders.
 
-    `worker_image` is used when a DynamoWorker sets no spec.image. `pod_monitor_crd` says
+    `worker_image` is used when a DynamoWorker sets no spec.image, and
+    `worker_image_pull_secrets` (Secret names) are the worker pods' imagePullSecrets, for a
+    private registry. `pod_monitor_crd` says
     whether the Prometheus Operator's PodMonitor kind exists in the cluster (spec.metrics
     `Auto` then picks a PodMonitor over prometheus.io annotations).
     """
 
     worker_image: str | None = None
+    worker_image_pull_secrets: tuple[str, ...] = ()
     pod_monitor_crd: bool = False

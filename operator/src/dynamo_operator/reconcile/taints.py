@@ -46,8 +46,7 @@ class _Attempt:
 
 def pod_url(pod: PodSummary) -> str:
     """The model-taints route of a pod's system server."""
-    host = f"[{pod.ip}]" if pod.ip and ":" in pod.ip else pod.ip
-    return f"http://{host}:{wi.SYSTEM_PORT}{wi.MODEL_TAINTS_PATH}"
+    return wi.system_url(pod.ip or "", wi.MODEL_TAINTS_PATH)
 
 
 class TaintPusher:

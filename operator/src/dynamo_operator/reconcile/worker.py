@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -110,9 +110,7 @@ class WorkerReconciler:
             self._crd_checked_at = time.monotonic()
             if present != self.settings.pod_monitor_crd:
                 logger.info("PodMonitor CRD %s", "found" if present else "not found")
-                self.settings = ReconcileSettings(
-                    worker_image=self.settings.worker_image, pod_monitor_crd=present
-                )
+                self.settings = replace(self.settings, pod_monitor_crd=present)
         return self.settings
 
     def forget(self, namespace: str, name: str, uid: str) -> None:

@@ -14,6 +14,8 @@ iteration-level scheduler so it behaves like a real engine towards the runtime:
   or a stopped context ends it with "cancelled";
 * LoRA adapters load through `LoRAAdapterHost` (loading records the adapter directory);
   requests pick one by naming it in `model`;
+* KV events: each rank keeps its prompts' full blocks in an LRU prefix cache of
+  `--total-kv-blocks` and reports blocks stored and evicted (`kv_event_sources`);
 * data-parallel ranks `[start, start + size)` (`--data-parallel-size`,
   `--data-parallel-start-rank`); a request's `routing.dp_rank` picks its rank, else ranks are
   used in turn.
@@ -46,6 +48,7 @@ from dynamo.common.backend import (
 )
 from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
 from dynamo.common.backend.health_check import build_health_check_payload
+from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.forward_pass_metrics import (
     ForwardPassMetrics,
     ScheduledRequestMetrics,
@@ -54,6 +57,7 @@ from dynamo.common.forward_pass_metrics import (
 from dynamo.common.lora import LoRAManager
 from dynamo.common.utils.namespace import get_worker_namespace
 from dynamo.engines.lora_host import LORA_UPDATES, LoRAAdapterHost
+from dynamo.engines.sample_kv import PrefixCache
 from dynamo.engines.sample_tokenizer import BOS_ID, BYTE_OFFSET, SampleTokenizer
 
 logger = logging.getLogger(__name__)
@@ -156,6 +160,12 @@ class SampleEngine(LLMEngine):
         self._next_rank = itertools.cycle(self.component_metrics_dp_ranks())
         self._closed = False
         self.aborted: list[str] = []
+        # Prompt blocks kept per rank, reported as KV events once the runtime attaches a
+        # publisher (see sample_kv.py).
+        self.prefix_caches = {
+            rank: PrefixCache(args.kv_block_size, args.total_kv_blocks)
+            for rank in self.component_metrics_dp_ranks()
+        }
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -252,6 +262,7 @@ class SampleEngine(LLMEngine):
             max_tokens=max_tokens,
             dp_rank=self._rank_for(request),
         )
+        self.prefix_caches[seq.dp_rank].admit(token_ids, adapter)
         key = id(context)
         self._active[key] = seq
         self._wakeup.set()
@@ -360,6 +371,19 @@ class SampleEngine(LLMEngine):
         for rank in self.component_metrics_dp_ranks():
             self._last_snapshot[rank] = -1
         self._publish_snapshots()
+
+    async def kv_event_sources(self) -> list[KvEventSource]:
+        """One push source per rank: the runtime hands each a KV-events publisher."""
+        return [
+            PushSource(on_ready=self._attach_kv_publisher(rank), dp_rank=rank)
+            for rank in self.component_metrics_dp_ranks()
+        ]
+
+    def _attach_kv_publisher(self, rank: int) -> Callable[[Any], None]:
+        def attach(publisher: Any) -> None:
+            self.prefix_caches[rank].publisher = publisher
+
+        return attach
 
     def component_metrics_dp_ranks(self) -> list[int]:
         """`[start, start + size)`."""

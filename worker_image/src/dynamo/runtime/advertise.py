@@ -15,7 +15,12 @@ from typing import Any
 
 from dynamo.common.backend import EngineConfig, WorkerConfig
 from dynamo.common.constants import DisaggregationMode
-from dynamo.runtime.discovery.base import AdapterCard, EndpointAddress, WorkerAdvertisement
+from dynamo.runtime.discovery.base import (
+    AdapterCard,
+    EndpointAddress,
+    EventChannelAd,
+    WorkerAdvertisement,
+)
 
 # Upstream's ModelType bit names, in bit order, and the endpoint_types words for each.
 _MODEL_TYPE_WORDS = (
@@ -129,15 +134,24 @@ def build_advertisement(
     taints: list[str],
     adapters: dict[str, tuple[int, str]],
     max_loras: int | None = None,
+    tcp_address: str | None = None,
+    event_channels: tuple[EventChannelAd, ...] = (),
 ) -> WorkerAdvertisement:
-    """Everything discovery publishes; `adapters` maps name -> (lora id, source uri)."""
+    """Everything discovery publishes; `adapters` maps name -> (lora id, source uri).
+
+    With `tcp_address` (`ip:port/path` of the TCP request plane) the Endpoint record
+    advertises that, msgpack-encoded, so upstream's frontend routes here; else our HTTP URL.
+    """
     llm = engine_config.llm
+    transport = {"tcp": tcp_address} if tcp_address else {"http": http_url}
     return WorkerAdvertisement(
         address=EndpointAddress(config.namespace, config.component, config.endpoint),
         instance_id=instance_id,
         served_model_name=served_name(config, engine_config),
         model=engine_config.model,
-        transport={"http": http_url},
+        transport=transport,
+        request_plane_codec="msgpack" if tcp_address else None,
+        event_channels=event_channels,
         runtime_config=runtime_config(
             config, engine_config, runtime_data=runtime_data, taints=taints, max_loras=max_loras
         ),

@@ -63,6 +63,9 @@ environment (each flag's variable; also read by the runtime):
 also read: DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH, DYN_SYSTEM_STARTING_HEALTH_STATUS,
   DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, DYN_HEALTH_CHECK_ENABLED, DYN_HEALTH_CHECK_PAYLOAD,
   DYN_CANARY_WAIT_TIME, DYN_HEALTH_CHECK_REQUEST_TIMEOUT, DYN_FORWARDPASS_METRIC_HOST,
+  DYN_REQUEST_PLANE (http|tcp: tcp also serves upstream's TCP request plane and ZMQ event
+  plane, so upstream's frontend routes here), DYN_TCP_RPC_HOST, DYN_TCP_RPC_PORT,
+  DYN_TCP_MAX_MESSAGE_SIZE, DYN_EVENT_PLANE, DYN_EVENT_PLANE_HOST, DYN_FILE_KV,
   POD_NAME/POD_NAMESPACE/POD_UID (kubernetes discovery), AWS_* and HF_* (LoRA downloads).
 
 shutdown (SIGTERM/SIGINT): /health turns 503 and the worker leaves discovery at once; after

@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo.common.backend import BaseEngine, EngineConfig, RawEngine, WorkerConfig
+from dynamo.common.backend import BaseEngine, EngineConfig, LLMEngine, RawEngine, WorkerConfig
 from dynamo.common.backend.health_check import HEALTH_CHECK_KEY, load_health_check_from_env
 from dynamo.common.backend.model_input import ModelInput
+from dynamo.common.backend.publisher import PushSource
 from dynamo.common.constants import DisaggregationMode
 from dynamo.common.model_taints import MODEL_TAINT_ROUTE, make_model_taint_handler
 from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
@@ -34,6 +35,8 @@ from dynamo.runtime.budget import budget_from_runtime_data
 from dynamo.runtime.canary import Canary
 from dynamo.runtime.discovery.base import DiscoveryBackend, WorkerAdvertisement
 from dynamo.runtime.endpoint import Endpoint
+from dynamo.runtime.event_plane import EventPlane
+from dynamo.runtime.event_plane.kv_metrics import SnapshotTee
 from dynamo.runtime.fpm import ForwardPassPublisher
 from dynamo.runtime.health import HealthState
 from dynamo.runtime.inflight import InflightTracker
@@ -44,6 +47,7 @@ from dynamo.runtime.settings import RuntimeSettings
 from dynamo.runtime.shutdown import ShutdownOrchestrator
 from dynamo.runtime.snapshot import SnapshotPublisher
 from dynamo.runtime.system_server import SystemServer
+from dynamo.runtime.tcp_plane import TcpRequestPlane, address
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +137,8 @@ class WorkerRuntime:
         self.http_port: int | None = None
         self.gauges: LifecycleGauges | None = None
         self.request_plane: RequestPlane | None = None
+        self.tcp_plane: TcpRequestPlane | None = None
+        self.event_plane: EventPlane | None = None
         self.system_server: SystemServer | None = None
         self.fpm: ForwardPassPublisher | None = None
         self.canary: Canary | None = None
@@ -236,10 +242,17 @@ class WorkerRuntime:
         self.gauges.model_load_time.set(load_time)
         logger.info("engine started in %.2f s (model %s)", load_time, engine_config.model)
         await self.engine.register_prometheus(EngineMetrics(self.metrics))
+        self.event_plane = self._event_plane()
         ranks = self.engine.component_metrics_dp_ranks()
         if ranks and self.config.enable_kv_routing:
             publisher = SnapshotPublisher(self.metrics.registry, self.metrics.model_labels, ranks)
-            self.engine.attach_snapshot_publisher(publisher)
+            if self.event_plane is None:
+                self.engine.attach_snapshot_publisher(publisher)
+            else:
+                tee = SnapshotTee(publisher, self.event_plane.active_load())
+                self.engine.attach_snapshot_publisher(tee)
+        if self.event_plane is not None:
+            await self._attach_kv_event_sources(self.event_plane)
         attach = getattr(self.engine, "attach_forward_pass_metrics_sink", None)
         if self.settings.fpm_port is not None and callable(attach):
             self.fpm = ForwardPassPublisher(
@@ -248,6 +261,37 @@ class WorkerRuntime:
             attach(self.fpm.publish)
             logger.info("forward-pass metrics published on %s", self.fpm.endpoint)
         return engine_config
+
+    def _event_plane(self) -> EventPlane | None:
+        """Upstream's ZMQ event plane, beside the TCP request plane unless turned off."""
+        settings = self.settings
+        if settings.request_plane != "tcp" or not self.config.enable_kv_routing:
+            return None
+        kind = (settings.event_plane or self.config.event_plane or "zmq").lower()
+        if kind != "zmq":
+            logger.warning("event plane %r is not supported (only zmq); none started", kind)
+            return None
+        host = settings.event_plane_host or settings.tcp_host
+        return EventPlane(
+            worker_id=self.instance_id,
+            bind_host=address.bind_host(host),
+            advertised_host=address.advertised_host(host, self._environ),
+        )
+
+    async def _attach_kv_event_sources(self, plane: EventPlane) -> None:
+        """Give each of the engine's push sources its rank's KV-events publisher."""
+        if not isinstance(self.engine, LLMEngine):
+            return  # raw engines have no KV cache to report
+        for source in await self.engine.kv_event_sources():
+            if not isinstance(source, PushSource):
+                logger.warning(
+                    "KV event source %r is not supported (only PushSource); its events are "
+                    "not published",
+                    source,
+                )
+                continue
+            source.on_ready(plane.kv_events(source.dp_rank))
+            logger.info("KV events of rank %d published on the event plane", source.dp_rank)
 
     async def _serve(self, engine_config: EngineConfig) -> None:
         config, settings = self.config, self.settings
@@ -271,8 +315,11 @@ class WorkerRuntime:
         self.http_port = await self.request_plane.start(settings.http_host, settings.http_port)
         host = advertise.advertise_host(settings.http_host, self._environ)
         logger.info("Request plane listening on http://%s:%d", settings.http_host, self.http_port)
+        tcp_address = None
+        if settings.request_plane == "tcp":
+            tcp_address = await self._start_tcp_plane(models, runtime_data)
         self._serving = _Serving(
-            engine_config, runtime_data, updates, f"http://{host}:{self.http_port}"
+            engine_config, runtime_data, updates, f"http://{host}:{self.http_port}", tcp_address
         )
         endpoint = Endpoint(
             namespace=config.namespace,
@@ -299,6 +346,35 @@ class WorkerRuntime:
             else:
                 self.health.set_endpoint_ready(config.endpoint, True)
             self.health.set_system_ready(True)
+
+    async def _start_tcp_plane(self, models: ServedModels, runtime_data: dict[str, Any]) -> str:
+        """Serve upstream's TCP request plane; the `transport.tcp` address to advertise."""
+        config, settings = self.config, self.settings
+        advertised = address.advertised_host(settings.tcp_host, self._environ)
+        path = address.endpoint_path(
+            self.instance_id, config.namespace, config.component, config.endpoint
+        )
+        self.tcp_plane = TcpRequestPlane(
+            self.engine,
+            endpoint_path=path,
+            models=models,
+            metrics=self.metrics,
+            tracker=self.tracker,
+            budget=budget_from_runtime_data(runtime_data),
+            raw=isinstance(self.engine, RawEngine),
+            on_success=self.canary.record_success if self.canary else None,
+            max_message_bytes=settings.tcp_max_message_bytes,
+        )
+        bind = address.bind_host(settings.tcp_host)
+        port = await self.tcp_plane.start(bind, settings.tcp_port)
+        logger.info(
+            "TCP request plane listening on tcp://%s:%d, advertised as %s:%d",
+            bind,
+            port,
+            advertised,
+            port,
+        )
+        return address.transport_address(advertised, port, path)
 
     def _merged_runtime_data(self, engine_config: EngineConfig) -> dict[str, Any]:
         data = dict(engine_config.runtime_data or {})
@@ -381,6 +457,8 @@ class WorkerRuntime:
             taints=self._taints,
             adapters=serving.updates.adapters(),
             max_loras=getattr(lora_host, "max_loras", None),
+            tcp_address=serving.tcp_address,
+            event_channels=self.event_plane.advertised() if self.event_plane else (),
         )
 
     async def _register(self) -> None:
@@ -405,3 +483,4 @@ class _Serving:
     runtime_data: dict[str, Any]
     updates: EngineUpdates
     http_url: str
+    tcp_address: str | None = None

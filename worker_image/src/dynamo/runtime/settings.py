@@ -11,6 +11,11 @@ Upstream names and defaults, except where noted as ours:
 | `DYN_HEALTH_CHECK_ENABLED` | false | canary probes through the engine when idle |
 | `DYN_CANARY_WAIT_TIME` / `DYN_HEALTH_CHECK_REQUEST_TIMEOUT` | 10 / 3 s | canary timing |
 | `DYN_HTTP_HOST` / `DYN_HTTP_PORT` (ours) | `0.0.0.0` / `8000` | request plane; 0 = ephemeral |
+| `DYN_REQUEST_PLANE` | `http` (upstream: `tcp`) | `tcp`: also upstream's TCP plane (1) |
+| `DYN_TCP_RPC_HOST` / `DYN_TCP_RPC_PORT` | (2) / `0` | TCP request plane; 0 = ephemeral |
+| `DYN_TCP_MAX_MESSAGE_SIZE` | 33554432 | largest request frame accepted, in bytes |
+| `DYN_EVENT_PLANE` | `zmq` | with the TCP plane: KV events/load on ZMQ; other values: off |
+| `DYN_EVENT_PLANE_HOST` | the TCP plane's host | address the event sockets advertise |
 | `DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS` | 5 | wait after unregistering, before draining |
 | `DYN_PREFILL_DRAIN_TIMEOUT_S` | 30 | drain budget; here it applies to **every** mode |
 | `DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT` | 30 | hard deadline (+ grace), else exit 911 |
@@ -20,6 +25,11 @@ Upstream names and defaults, except where noted as ours:
 | `DYN_TOKEN_BUDGET_COMBINED_LIMIT` (ours) | (none) | publish and enforce a token budget |
 | `DYN_TOKEN_BUDGET_REJECT_PROMPT_OVERFLOW` (ours) | false | refuse prompts at/over the limit |
 | `DYN_TOKEN_BUDGET_REJECT_TOTAL_OVERFLOW` (ours) | false | refuse prompt + max_tokens over it |
+
+(1) served beside the HTTP routes and advertised in discovery as the Endpoint's transport, so
+upstream's frontend routes to this worker; with `http` the Endpoint advertises our HTTP URL,
+which upstream's readers do not understand. (2) unset: every interface, advertised as
+`POD_IP`, else 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -57,6 +67,12 @@ class RuntimeSettings:
     health_check_timeout_secs: float = 3.0
     http_host: str = "0.0.0.0"
     http_port: int = 8000
+    request_plane: str = "http"
+    tcp_host: str | None = None
+    tcp_port: int = 0
+    tcp_max_message_bytes: int = 32 * 2**20
+    event_plane: str | None = None
+    event_plane_host: str | None = None
     grace_period_secs: float = DEFAULT_GRACE_PERIOD_SECS
     drain_timeout_secs: float = DEFAULT_DRAIN_TIMEOUT_SECS
     graceful_shutdown_timeout_secs: float = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_SECS
@@ -101,6 +117,12 @@ class RuntimeSettings:
             health_check_timeout_secs=env_seconds(env, "DYN_HEALTH_CHECK_REQUEST_TIMEOUT", 3.0),
             http_host=env_text(env, "DYN_HTTP_HOST") or "0.0.0.0",
             http_port=env_int(env, "DYN_HTTP_PORT", 8000),
+            request_plane=request_plane_from_env(env),
+            tcp_host=env_text(env, "DYN_TCP_RPC_HOST"),
+            tcp_port=env_int(env, "DYN_TCP_RPC_PORT", 0),
+            tcp_max_message_bytes=env_int(env, "DYN_TCP_MAX_MESSAGE_SIZE", 32 * 2**20),
+            event_plane=env_text(env, "DYN_EVENT_PLANE"),
+            event_plane_host=env_text(env, "DYN_EVENT_PLANE_HOST"),
             grace_period_secs=env_seconds(
                 env, "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", DEFAULT_GRACE_PERIOD_SECS
             ),
@@ -115,6 +137,18 @@ class RuntimeSettings:
             fpm_port=None if fpm_port is None else env_int(env, "DYN_FORWARDPASS_METRIC_PORT", 0),
             token_budget=token_budget_from_env(env),
         )
+
+
+def request_plane_from_env(environ: Mapping[str, str]) -> str:
+    """`DYN_REQUEST_PLANE`: `http` (default: our HTTP routes only) or `tcp` (also upstream's
+    TCP request plane, advertised in discovery); ValueError for anything else."""
+    value = (env_text(environ, "DYN_REQUEST_PLANE") or "http").strip().lower()
+    if value not in ("http", "tcp"):
+        raise ValueError(
+            f"DYN_REQUEST_PLANE={value!r} is not supported; use tcp (upstream's frontend "
+            "routes here) or http (this worker's own HTTP routes only)"
+        )
+    return value
 
 
 def _starting_ready(value: str | None) -> bool:

@@ -13,7 +13,7 @@ Then (`run`):
    then also poll `is_quiescent()` as upstream; whatever is left is aborted in the engine
    and ends with finish reason "cancelled". The time goes to `drain_time_seconds`;
 3. `engine.cleanup()` exactly once (`cleanup_time_seconds`);
-4. close the request plane, the FPM socket, discovery and the system server.
+4. close the request planes, the FPM socket, discovery and the system server.
 """
 
 from __future__ import annotations
@@ -154,9 +154,11 @@ class ShutdownOrchestrator:
         await self.close_servers()
 
     async def close_servers(self) -> None:
-        """Stop the request plane, FPM, discovery and the system server (errors logged)."""
+        """Stop the request planes, FPM, discovery and the system server (errors logged)."""
         runtime = self._runtime
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+        if runtime.tcp_plane is not None:
+            steps.append(("TCP request plane", runtime.tcp_plane.stop))
         if runtime.request_plane is not None:
             steps.append(("request plane", runtime.request_plane.stop))
         steps.append(("discovery", runtime.discovery.close))
@@ -164,6 +166,8 @@ class ShutdownOrchestrator:
             steps.append(("system server", runtime.system_server.stop))
         if runtime.fpm is not None:
             runtime.fpm.close()
+        if runtime.event_plane is not None:
+            runtime.event_plane.close()
         for name, step in steps:
             try:
                 await step()

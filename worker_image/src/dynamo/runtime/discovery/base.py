@@ -32,15 +32,33 @@ class AdapterCard:
 
 
 @dataclass(frozen=True)
+class EventChannelAd:
+    """One event-plane publisher of this worker: its topic, publisher id and ZMQ endpoint.
+
+    `dp_rank` is set for KV-event publishers (one per data-parallel rank): discovery then also
+    publishes an EventSource mapping the publisher to this worker and rank.
+    """
+
+    topic: str
+    publisher_id: int
+    endpoint: str
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True)
 class WorkerAdvertisement:
     """Everything a backend needs to publish this worker.
 
     `transport` is upstream's Endpoint transport object (e.g. `{"tcp": "ip:port/path"}`) or,
-    for our HTTP request plane, `{"http": "http://ip:port"}`. `runtime_config` holds the model
-    card's runtime_config fields (context_length, total_kv_blocks, max_num_seqs,
-    max_num_batched_tokens, data_parallel_size, data_parallel_start_rank, runtime_data, taints,
-    max_gpu_lora_count). `model_type`, `model_input`, `worker_type` and `kv_cache_block_size`
-    are the card fields of the same names (upstream's spellings, e.g. "Chat | Completions").
+    for our HTTP request plane, `{"http": "http://ip:port"}` (upstream's readers know only
+    `tcp` and `nats_tcp`). `request_plane_codec` ("msgpack" or "json") is how the TCP request
+    plane encodes bodies; None omits it (upstream's frontend then sends JSON).
+    `event_channels` are the worker's event-plane publishers (kv-events, kv_metrics).
+    `runtime_config` holds the model card's runtime_config fields (context_length,
+    total_kv_blocks, max_num_seqs, max_num_batched_tokens, data_parallel_size,
+    data_parallel_start_rank, runtime_data, taints, max_gpu_lora_count). `model_type`,
+    `model_input`, `worker_type` and `kv_cache_block_size` are the card fields of the same
+    names (upstream's spellings, e.g. "Chat | Completions").
     """
 
     address: EndpointAddress
@@ -55,6 +73,8 @@ class WorkerAdvertisement:
     model_input: str = "Tokens"
     worker_type: str = "aggregated"
     kv_cache_block_size: int = 16
+    request_plane_codec: str | None = None
+    event_channels: tuple[EventChannelAd, ...] = ()
 
 
 class DiscoveryBackend(Protocol):

@@ -2,7 +2,8 @@
 
 Upstream processes sharing a folder (`$DYN_FILE_KV`) find each other through it:
 
-* one folder per bucket: `v1/instances` (Endpoint records) and `v1/mdc` (model cards);
+* one folder per bucket: `v1/instances` (Endpoint records), `v1/mdc` (model cards),
+  `v1/event_channels` and `v1/event_sources` (event-plane publishers);
 * one file per record directly in its bucket, named by the record's logical key (e.g.
   `dynamo/backend/generate/43710f49c0cff`, an adapter card adds `/<slug>`) percent-encoded
   like Rust's `NON_ALPHANUMERIC` set: every byte but ASCII letters and digits becomes `%XX`;
@@ -33,6 +34,8 @@ from typing import Any
 from dynamo.runtime.discovery.base import WorkerAdvertisement
 from dynamo.runtime.discovery.records import (
     ENDPOINTS,
+    EVENT_CHANNELS,
+    EVENT_SOURCES,
     MODEL_CARDS,
     build_metadata,
     without_taints,
@@ -42,8 +45,15 @@ log = logging.getLogger(__name__)
 
 INSTANCES = "v1/instances"
 MDC = "v1/mdc"
+CHANNELS = "v1/event_channels"
+SOURCES = "v1/event_sources"
 TOUCH_INTERVAL_S = 3.0  # readers expire records after 10 s without a touch
-_BUCKET_OF = {ENDPOINTS: INSTANCES, MODEL_CARDS: MDC}
+_BUCKET_OF = {
+    ENDPOINTS: INSTANCES,
+    MODEL_CARDS: MDC,
+    EVENT_CHANNELS: CHANNELS,
+    EVENT_SOURCES: SOURCES,
+}
 
 Record = tuple[str, str]  # (bucket, logical key)
 

@@ -28,7 +28,12 @@ from typing import Any
 
 from blake3 import blake3
 
-from dynamo.runtime.discovery.base import AdapterCard, EndpointAddress, WorkerAdvertisement
+from dynamo.runtime.discovery.base import (
+    AdapterCard,
+    EndpointAddress,
+    EventChannelAd,
+    WorkerAdvertisement,
+)
 from dynamo.runtime.discovery.siphash import rust_str_hash
 
 # Kubernetes instance ids must survive a JSON round trip through JavaScript-style readers.
@@ -119,7 +124,7 @@ def adapter_key(address: EndpointAddress, instance_id: int, lora_name: str) -> s
 
 def endpoint_record(adv: WorkerAdvertisement) -> dict[str, Any]:
     """The `Endpoint` record (upstream `v1/instances`)."""
-    return {
+    record: dict[str, Any] = {
         "type": "Endpoint",
         "component": adv.address.component,
         "endpoint": adv.address.endpoint,
@@ -128,6 +133,9 @@ def endpoint_record(adv: WorkerAdvertisement) -> dict[str, Any]:
         "transport": copy.deepcopy(adv.transport),
         "device_type": adv.device_type,
     }
+    if adv.request_plane_codec is not None:
+        record["request_plane_codec"] = adv.request_plane_codec
+    return record
 
 
 def runtime_config(adv: WorkerAdvertisement, *, base: bool = True) -> dict[str, Any]:
@@ -233,7 +241,7 @@ def discovery_metadata(
     adv: WorkerAdvertisement, files: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Upstream's `DiscoveryMetadata` for this worker: its endpoint and one card per model
-    (the base, then each adapter). We publish no event channels or sources yet."""
+    (the base, then each adapter), and its event channels (with a source per KV-events one)."""
     key = instance_key(adv.address, adv.instance_id)
     cards: dict[str, Any] = {key: model_record(adv, model_card(adv, files))}
     for adapter in adv.adapters:
@@ -245,11 +253,81 @@ def discovery_metadata(
                 f" ({slugify(adapter.lora_name)!r}); rename one of them"
             )
         cards[akey] = adapter_record
+    channels: dict[str, Any] = {}
+    sources: dict[str, Any] = {}
+    for channel in adv.event_channels:
+        ekey = event_key(adv.address, channel.topic, channel.publisher_id)
+        channels[ekey] = event_channel_record(adv, channel)
+        if channel.dp_rank is not None:
+            sources[ekey] = event_source_record(adv, channel)
     return {
         ENDPOINTS: {key: endpoint_record(adv)},
         MODEL_CARDS: cards,
-        EVENT_CHANNELS: {},
-        EVENT_SOURCES: {},
+        EVENT_CHANNELS: channels,
+        EVENT_SOURCES: sources,
+    }
+
+
+def encode_event_segment(segment: str) -> str:
+    """One segment of an event key: `[A-Za-z0-9_-]` kept, every other byte `%XX`."""
+    return "".join(
+        chr(byte)
+        if chr(byte).isascii() and (chr(byte).isalnum() or chr(byte) in "_-")
+        else f"%{byte:02X}"
+        for byte in segment.encode("utf-8")
+    )
+
+
+def event_key(address: EndpointAddress, topic: str, publisher_id: int) -> str:
+    """The key of an endpoint-scoped event channel or source:
+    `namespace/<ns>/component/<comp>/endpoint/<ep>/topic/<topic>/<publisher id hex>`."""
+    parts = (
+        ("namespace", address.namespace),
+        ("component", address.component),
+        ("endpoint", address.endpoint),
+        ("topic", topic),
+    )
+    head = "/".join(f"{name}/{encode_event_segment(value)}" for name, value in parts)
+    return f"{head}/{publisher_id:x}"
+
+
+def _endpoint_scope(address: EndpointAddress) -> dict[str, Any]:
+    return {
+        "namespace": address.namespace,
+        "component": address.component,
+        "name": address.endpoint,
+    }
+
+
+def event_channel_record(adv: WorkerAdvertisement, channel: EventChannelAd) -> dict[str, Any]:
+    """An `EventChannel` record: where subscribers connect for one topic's messages."""
+    return {
+        "type": "EventChannel",
+        "scope": {"kind": "endpoint", "endpoint": _endpoint_scope(adv.address)},
+        "topic": channel.topic,
+        "instance_id": _u64("publisher_id", channel.publisher_id),
+        "transport": {"kind": "Zmq", "config": {"endpoint": channel.endpoint}},
+    }
+
+
+def event_source_record(adv: WorkerAdvertisement, channel: EventChannelAd) -> dict[str, Any]:
+    """An `EventSource` record: maps a KV-events publisher to this worker and rank (without
+    it upstream's router ignores the publisher). No recovery endpoint: live events only."""
+    scope = _endpoint_scope(adv.address)
+    publisher_id = _u64("publisher_id", channel.publisher_id)
+    return {
+        "type": "EventSource",
+        "scope": {"kind": "endpoint", "endpoint": scope},
+        "topic": channel.topic,
+        "publisher_id": publisher_id,
+        "metadata": {
+            "kv_state_endpoint": scope,
+            "worker": {
+                "worker_id": _u64("instance_id", adv.instance_id),
+                "dp_rank": channel.dp_rank,
+            },
+            "publisher_id": publisher_id,
+        },
     }
 
 

@@ -1,0 +1,84 @@
+{{/*
+The operator's permissions, derived from what it does (operator/src/dynamo_operator: handlers/
+for kopf's watches, reconcile/ for the children it applies, k8s/client.py for the requests).
+No wildcards, no Secrets, no escalate/bind/impersonate. tests/unit/test_chart.py checks these
+rules against the code.
+*/}}
+
+{{/* Rules on namespaced kinds: in the ClusterRole (cluster scope) or in each watched namespace's Role. */}}
+{{- define "dynamo-operator.namespacedRules" -}}
+# DynamoWorkers: kopf lists and watches them, and patches them to keep its finalizer and its
+# progress and last-handled-configuration annotations (dynamo.dev/...).
+- apiGroups: ["dynamo.dev"]
+  resources: ["dynamoworkers"]
+  verbs: ["list", "watch", "patch"]
+# DynamoWorker status: observedGeneration, replica counts, conditions, per-pod summary.
+- apiGroups: ["dynamo.dev"]
+  resources: ["dynamoworkers/status"]
+  verbs: ["patch"]
+# Children carry owner references with blockOwnerDeletion; clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin (e.g. OpenShift) ask for this.
+- apiGroups: ["dynamo.dev"]
+  resources: ["dynamoworkers/finalizers"]
+  verbs: ["update"]
+# LoRAAdapters: kopf lists and watches them, and patches them for its finalizer (the adapter
+# is unloaded from every pod before the object goes) and its progress annotations.
+- apiGroups: ["dynamo.dev"]
+  resources: ["loraadapters"]
+  verbs: ["list", "watch", "patch"]
+# LoRAAdapter status: per-pod adapter states, loaded/target replica counts.
+- apiGroups: ["dynamo.dev"]
+  resources: ["loraadapters/status"]
+  verbs: ["patch"]
+# Worker pods: watched (kopf index) for status and to reconcile when one changes; never written.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+# The worker Deployment: read before applying (no write when unchanged), server-side applied
+# (an apply that creates the object needs create as well as patch), and watched to
+# reconcile when its rollout progresses.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# The other children, read before applying and server-side applied: the headless Service, the
+# workers' ServiceAccount, the PodDisruptionBudget, and the workers' Role and RoleBinding.
+- apiGroups: [""]
+  resources: ["services", "serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+# PodMonitor (when the Prometheus Operator's CRD exists): applied like the other children,
+# and deleted when spec.metrics stops asking for one.
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "create", "patch", "delete"]
+# DynamoWorkerMetadata, the records the worker pods write: watched (kopf index) to fill
+# DynamoWorker status. get/create/patch/update/delete because the workers' Role grants them,
+# and RBAC lets the operator grant only what it holds itself (it has no escalate).
+- apiGroups: ["nvidia.com"]
+  resources: ["dynamoworkermetadatas"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# Events: kopf posts core/v1 Events for handler warnings and errors; the reconciler records
+# events.k8s.io/v1 Events on condition transitions.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/* Rules on cluster-scoped kinds (always in a ClusterRole). */}}
+{{- define "dynamo-operator.clusterRules" -}}
+# Whether the Prometheus Operator's PodMonitor CRD exists (spec.metrics.podMonitor Auto). Only
+# that CRD, only get: the chart installs the operator's own CRDs (the operator runs with
+# --no-install-crds).
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  resourceNames: ["podmonitors.monitoring.coreos.com"]
+  verbs: ["get"]
+{{- end }}

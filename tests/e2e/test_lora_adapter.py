@@ -1,0 +1,568 @@
+"""LoRAAdapter end to end: the operator (a subprocess) loads adapters from S3 onto real worker
+processes (the reference engine with the tiny Llama checkpoint) running as process-node pods.
+
+One DynamoWorker serves all steps, in order: load onto both pods and serve a completion that
+differs from the base model; reload after a worker process is killed; load onto a new pod
+after a scale-out; roll a new version without ever leaving the name unserved; report bad
+sources with reasons and backoff; report CapacityExceeded without disturbing other adapters;
+unload on delete, also with one pod not answering (within the bound, with an Event); and
+never leak a planted secret value into the operator's log, status or Events. Finally the
+DynamoWorker is deleted before an adapter, which must not get stuck in Terminating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from dynamo.common.lora import adapter_digest
+from dynamo_operator.k8s.client import Cluster as OperatorCluster
+from dynamo_operator.reconcile.crds import install_crds
+from support.cluster import REPO, Cluster, eventually
+from support.operator_process import OperatorProcess, start_operator
+from support.s3 import S3Server, testbed_s3_server
+from support.tiny_model import TinyModel
+
+sys.path.insert(0, str(REPO / "hack"))
+from testbed.network import netns_name
+
+pytestmark = pytest.mark.e2e
+__all__ = ["testbed_s3_server"]
+
+GROUP, VERSION = "dynamo.dev", "v1alpha1"
+ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
+WORKER = "tiny"
+MAX_LORAS = 2
+UNLOAD_BOUND_SECONDS = 10.0
+PROMPT = "the quick brown"
+MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
+T = TypeVar("T")
+
+
+@dataclass
+class Bed:
+    """Everything the steps share."""
+
+    api: client.ApiClient
+    cluster: Cluster
+    namespace: str
+    operator: OperatorProcess
+    s3: S3Server
+    bucket: str
+    canary: str
+    adapters: dict[str, Path]
+    statuses: list[str] = field(default_factory=list)
+    texts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    def uri(self, adapter: str) -> str:
+        return f"s3://{self.bucket}/adapters/{adapter}"
+
+    def context(self) -> str:
+        return f"operator log:\n{self.operator.log_tail(80)}"
+
+    async def eventually(
+        self,
+        what: str,
+        probe: Callable[[], Awaitable[T]],
+        within: float,
+        until: Callable[[T], bool],
+    ) -> T:
+        try:
+            return await eventually(probe, within, until, every=0.3)
+        except AssertionError as err:
+            raise AssertionError(f"{what}: {err}\n{self.context()}") from None
+
+    # --- objects ---------------------------------------------------------------------
+
+    async def create_adapter(self, name: str, source: dict[str, Any], **spec: Any) -> None:
+        body: Any = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "LoRAAdapter",
+            "metadata": {"name": name},
+            "spec": {"workerRef": {"name": WORKER}, "source": source, **spec},
+        }
+        await self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "loraadapters", body
+        )
+
+    async def adapter(self, name: str) -> dict[str, Any]:
+        found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "loraadapters", name
+        )
+        self.statuses.append(json.dumps(found.get("status") or {}))
+        return found
+
+    async def wait_adapter(
+        self, name: str, until: Callable[[dict[str, Any]], bool], within: float = 60
+    ) -> dict[str, Any]:
+        return await self.eventually(
+            f"LoRAAdapter {name}", lambda: self.adapter(name), within, until
+        )
+
+    async def delete_adapter(self, name: str) -> None:
+        await self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "loraadapters", name
+        )
+
+    async def gone(self, name: str) -> bool:
+        try:
+            await self.adapter(name)
+        except ApiException as err:
+            return err.status == 404
+        return False
+
+    async def worker(self) -> dict[str, Any]:
+        found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "dynamoworkers", WORKER
+        )
+        return found
+
+    async def pods(self) -> list[Any]:
+        listing = await self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
+        )
+        return sorted(
+            (p for p in listing.items if p.metadata.deletion_timestamp is None),
+            key=lambda p: p.metadata.name,
+        )
+
+    async def ready_pods(self, count: int, within: float = 120) -> list[Any]:
+        def ready(pods: list[Any]) -> bool:
+            return len(pods) == count and all(_ready(p) for p in pods)
+
+        return await self.eventually(f"{count} ready pods", self.pods, within, ready)
+
+    async def events(self) -> list[dict[str, Any]]:
+        # Raw JSON: kopf's core/v1 Events have no eventTime, which the model refuses.
+        response: Any = await client.EventsV1Api(self.api).list_namespaced_event(
+            self.namespace, _preload_content=False
+        )
+        return list(json.loads(await response.read())["items"])
+
+
+def _ready(pod: Any) -> bool:
+    conditions = pod.status.conditions or []
+    return bool(pod.status.pod_ip) and any(
+        c.type == "Ready" and c.status == "True" for c in conditions
+    )
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return {}
+
+
+def pod_states(obj: dict[str, Any]) -> dict[str, tuple[str, str | None, str | None]]:
+    return {
+        p["pod"]: (p["state"], p.get("reason"), p.get("uri"))
+        for p in (obj.get("status") or {}).get("pods") or []
+    }
+
+
+def all_loaded(count: int, uri: str) -> Callable[[dict[str, Any]], bool]:
+    def check(obj: dict[str, Any]) -> bool:
+        states = pod_states(obj)
+        return (
+            condition(obj, "Ready").get("status") == "True"
+            and (obj.get("status") or {}).get("loaded") == f"{count}/{count}"
+            and len(states) == count
+            and all(s == ("Loaded", None, uri) for s in states.values())
+        )
+
+    return check
+
+
+async def http_json(method: str, url: str, body: Any = None, limit_seconds: float = 30) -> Any:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(
+            method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit_seconds)
+        ) as response,
+    ):
+        return response.status, await response.json(content_type=None)
+
+
+async def loras(ip: str) -> dict[str, int]:
+    status, body = await http_json("GET", f"http://{ip}:9090/v1/loras", limit_seconds=5)
+    assert status == 200, body
+    return dict(body["loras"])
+
+
+async def completion(ip: str, model: str) -> str:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    status, answer = await http_json("POST", f"http://{ip}:8000/v1/completions", body)
+    assert status == 200, answer
+    return str(answer["choices"][0]["text"])
+
+
+def worker_pids(pod: Any) -> list[int]:
+    """The processes of a process-node pod (everything in its network namespace)."""
+    found = subprocess.run(
+        ["ip", "netns", "pids", netns_name(pod.metadata.uid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def signal_pod(pod: Any, signum: int) -> None:
+    for pid in worker_pids(pod):
+        os.kill(pid, signum)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def bed(
+    api: client.ApiClient,
+    testbed: Cluster,
+    tiny_model: TinyModel,
+    testbed_s3_server: S3Server,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Bed]:
+    await install_crds(OperatorCluster(api))
+    core = client.CoreV1Api(api)
+    namespace = f"t-lora-{uuid.uuid4().hex[:8]}"
+    ns_body: Any = {"metadata": {"name": namespace, "labels": {"dynamo.dev/test": "true"}}}
+    await core.create_namespace(ns_body)
+    await eventually(lambda: core.read_namespaced_service_account("default", namespace), 30)
+    # Pods get their own /tmp: the model must live where a pod sees the host's files.
+    shared = Path(testbed.kubeconfig).parent / "e2e" / namespace
+    shutil.copytree(tiny_model.base, shared / "base")
+    s3 = testbed_s3_server
+    bucket = s3.new_bucket("lora")
+    s3_client = s3.client()
+    for name, path in tiny_model.adapters.items():
+        for file in path.rglob("*"):
+            if file.is_file():
+                key = f"adapters/{name}/{file.relative_to(path).as_posix()}"
+                s3_client.put_object(Bucket=bucket, Key=key, Body=file.read_bytes())
+    canary = f"canary-{uuid.uuid4().hex}"
+    secret: Any = {
+        "metadata": {"name": "s3-creds"},
+        "data": {
+            "AWS_ACCESS_KEY_ID": base64.b64encode(b"testing").decode(),
+            "AWS_SECRET_ACCESS_KEY": base64.b64encode(canary.encode()).decode(),
+        },
+    }
+    await core.create_namespaced_secret(namespace, secret)
+    log_path = tmp_path_factory.mktemp("lora-operator") / "operator.log"
+    operator = start_operator(testbed, [namespace], log_path, resync_seconds=3.0)
+    bed = Bed(api, testbed, namespace, operator, s3, bucket, canary, dict(tiny_model.adapters))
+    try:
+        await operator.wait_serving()
+        worker: Any = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "DynamoWorker",
+            "metadata": {"name": WORKER},
+            "spec": {
+                "model": {"name": "tiny-llama", "source": str(shared / "base")},
+                "replicas": 2,
+                "engine": {"class": ENGINE},
+                "resources": {"gpusPerPod": 0},
+                "lora": {"enabled": True, "maxLoras": MAX_LORAS},
+                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
+                "credentials": {
+                    "s3": {
+                        "secretName": "s3-creds",
+                        "endpoint": s3.endpoint_url,
+                        "region": "us-east-1",
+                    }
+                },
+                "pod": {
+                    "nodeSelector": {"dynamo.dev/node-kind": "process"},
+                    "tolerations": [
+                        {
+                            "key": "dynamo.dev/process-node",
+                            "operator": "Exists",
+                            "effect": "NoSchedule",
+                        }
+                    ],
+                    "env": [{"name": "AWS_ALLOW_HTTP", "value": "true"}],
+                },
+            },
+        }
+        await bed.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, "dynamoworkers", worker
+        )
+        await bed.ready_pods(2, within=180)
+        yield bed
+    finally:
+        operator.stop()
+        # Whatever a failed step left: no finalizer may outlive the operator.
+        for name in await _adapter_names(bed):
+            with contextlib.suppress(ApiException):
+                await bed.custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, namespace, "loraadapters", name,
+                    {"metadata": {"finalizers": None}}, **MERGE,
+                )  # fmt: skip
+        with contextlib.suppress(ApiException):
+            await bed.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, "dynamoworkers", WORKER,
+                {"metadata": {"finalizers": None}}, **MERGE,
+            )  # fmt: skip
+        await core.delete_namespace(namespace)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+async def _adapter_names(bed: Bed) -> list[str]:
+    listing = await bed.custom.list_namespaced_custom_object(
+        GROUP, VERSION, bed.namespace, "loraadapters"
+    )
+    return [item["metadata"]["name"] for item in listing["items"]]
+
+
+# --- the steps, in order ----------------------------------------------------------------------
+
+
+async def test_load_onto_every_pod_and_serve(bed: Bed) -> None:
+    sql = bed.adapters["sql-lora"]
+    await bed.create_adapter("sql", {"uri": bed.uri("sql-lora"), "sha256": adapter_digest(sql)})
+    found = await bed.wait_adapter("sql", all_loaded(2, bed.uri("sql-lora")), within=90)
+    assert found["status"]["adapterName"] == "sql"
+    assert condition(found, "Degraded")["reason"] == "AsExpected"
+    pods = await bed.pods()
+    for pod in pods:
+        assert "sql" in await loras(pod.status.pod_ip)
+    ip = pods[0].status.pod_ip
+    base, adapted = await completion(ip, "tiny-llama"), await completion(ip, "sql")
+    assert adapted != base, "the adapter changes the output"
+    assert await completion(pods[1].status.pod_ip, "sql") == adapted
+    bed.texts["sql-v1"] = adapted
+
+    # The worker's per-pod summary (from its DynamoWorkerMetadata) lists the adapter.
+    def lists_it(worker: dict[str, Any]) -> bool:
+        entries = worker.get("status", {}).get("pods", [])
+        return len(entries) == 2 and all("sql" in e.get("loadedAdapters", []) for e in entries)
+
+    await bed.eventually("DynamoWorker pods list sql", bed.worker, 30, lists_it)
+    samples = bed.operator.metrics()
+    count = samples.get(("dynamo_operator_lora_load_duration_seconds_count", ()), 0)
+    assert count >= 2
+    per_pod = {
+        dict(labels)["pod"]: value
+        for (name, labels), value in samples.items()
+        if name == "dynamo_operator_lora_adapters"
+    }
+    assert per_pod == {p.metadata.name: 1 for p in pods}
+
+
+async def test_a_killed_worker_gets_the_adapter_back(bed: Bed) -> None:
+    victim = (await bed.pods())[0]
+    restarts = victim.status.container_statuses[0].restart_count
+    signal_pod(victim, signal.SIGKILL)
+
+    async def victim_now() -> Any:
+        return await bed.core.read_namespaced_pod(victim.metadata.name, bed.namespace)
+
+    await bed.eventually(
+        "the killed worker restarts",
+        victim_now,
+        120,
+        lambda p: p.status.container_statuses[0].restart_count > restarts and _ready(p),
+    )
+    await bed.wait_adapter("sql", all_loaded(2, bed.uri("sql-lora")), within=60)
+    assert "sql" in await loras(victim.status.pod_ip)
+    notes = [e.get("note") or "" for e in await bed.events() if e.get("reason") == "Reloading"]
+    assert any(victim.metadata.name in note for note in notes), notes
+
+
+async def test_a_new_pod_gets_the_adapter(bed: Bed) -> None:
+    await bed.custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER, {"spec": {"replicas": 3}}, **MERGE
+    )
+    pods = await bed.ready_pods(3, within=150)
+    await bed.wait_adapter("sql", all_loaded(3, bed.uri("sql-lora")), within=60)
+    assert all(["sql" in await loras(p.status.pod_ip) for p in pods])
+
+
+async def test_a_new_source_rolls_out_without_a_gap(bed: Bed) -> None:
+    poet = bed.adapters["poet-lora"]
+    v2 = bed.uri("poet-lora")
+    pods = await bed.pods()
+    ips = [p.status.pod_ip for p in pods]
+    await bed.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, bed.namespace, "loraadapters", "sql",
+        {"spec": {"source": {"uri": v2, "sha256": adapter_digest(poet)}}}, **MERGE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    polls = 0
+    while True:
+        served = await asyncio.gather(*(loras(ip) for ip in ips))
+        polls += 1
+        assert any("sql" in s for s in served), "no pod served the adapter during the rollout"
+        found = await bed.adapter("sql")
+        if all_loaded(3, v2)(found):
+            break
+        assert time.monotonic() < deadline, f"rollout incomplete: {found['status']}"
+        await asyncio.sleep(0.1)
+    assert polls > 1
+    texts = {await completion(ip, "sql") for ip in ips}
+    assert len(texts) == 1, "every pod serves the same version"
+    assert texts != {bed.texts["sql-v1"]}, "the new version answers differently"
+
+
+async def test_bad_sources_fail_with_reasons_and_backoff(bed: Bed) -> None:
+    sql, chat = bed.adapters["sql-lora"], bed.adapters["chat-lora"]
+    await bed.create_adapter("missing", {"uri": bed.uri("no-such-adapter")})
+    await bed.create_adapter("digest", {"uri": bed.uri("sql-lora"), "sha256": adapter_digest(chat)})
+    assert adapter_digest(sql) != adapter_digest(chat)
+
+    def failed(reason: str) -> Callable[[dict[str, Any]], bool]:
+        def check(obj: dict[str, Any]) -> bool:
+            states = pod_states(obj)
+            return len(states) == 3 and all(s[:2] == ("Failed", reason) for s in states.values())
+
+        return check
+
+    missing = await bed.wait_adapter("missing", failed("SourceNotFound"), within=60)
+    digest = await bed.wait_adapter("digest", failed("DigestMismatch"), within=60)
+    for obj, reason, hint in (
+        (missing, "SourceNotFound", "check the bucket and prefix"),
+        (digest, "DigestMismatch", "spec.source.sha256"),
+    ):
+        assert condition(obj, "Ready")["status"] == "False"
+        degraded = condition(obj, "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", reason)
+        assert hint in degraded["message"]
+        for entry in obj["status"]["pods"]:
+            assert hint in entry["message"]
+    failures = bed.operator.metrics()
+    for reason in ("SourceNotFound", "DigestMismatch"):
+        key = ("dynamo_operator_lora_load_failures_total", (("reason", reason),))
+        assert failures.get(key, 0) >= 3, reason
+    # Retries follow the backoff: 2 s after the first failure, 4 s after the second...
+    attempts: dict[str, list[tuple[int, float]]] = {}
+    end = time.monotonic() + 7
+    while time.monotonic() < end:
+        for entry in (await bed.adapter("missing"))["status"]["pods"]:
+            seen = attempts.setdefault(entry["pod"], [])
+            if not seen or seen[-1][0] != entry["attempts"]:
+                seen.append((entry["attempts"], time.monotonic()))
+        await asyncio.sleep(0.2)
+    for pod, seen in attempts.items():
+        for (before, at), (after, then) in itertools.pairwise(seen):
+            assert after == before + 1, f"{pod}: attempts jumped {seen}"
+            # Seconds between failures >= the backoff (the first sample may be late).
+            assert then - at >= 2.0 * 2 ** (before - 1) - 1.2, f"{pod}: retried early {seen}"
+    for name in ("missing", "digest"):
+        await bed.delete_adapter(name)
+    await bed.eventually("missing deleted", lambda: bed.gone("missing"), 30, bool)
+    await bed.eventually("digest deleted", lambda: bed.gone("digest"), 30, bool)
+
+
+async def test_capacity_exceeded_leaves_the_others_alone(bed: Bed) -> None:
+    await bed.create_adapter("chat", {"uri": bed.uri("chat-lora")})
+    await bed.wait_adapter("chat", all_loaded(3, bed.uri("chat-lora")), within=60)
+    # Two adapters per pod fill maxLoras: one more does not fit anywhere.
+    await bed.create_adapter("extra", {"uri": bed.uri("sql-lora")})
+
+    def over_capacity(obj: dict[str, Any]) -> bool:
+        states = pod_states(obj)
+        return len(states) == 3 and all(
+            s[:2] == ("Failed", "CapacityExceeded") for s in states.values()
+        )
+
+    extra = await bed.wait_adapter("extra", over_capacity, within=60)
+    degraded = condition(extra, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "CapacityExceeded")
+    assert "spec.lora.maxLoras" in degraded["message"]
+    for name, source in (("sql", "poet-lora"), ("chat", "chat-lora")):
+        assert all_loaded(3, bed.uri(source))(await bed.adapter(name))
+    for pod in await bed.pods():
+        assert set(await loras(pod.status.pod_ip)) == {"sql", "chat"}
+    await bed.delete_adapter("extra")
+    await bed.eventually("extra deleted", lambda: bed.gone("extra"), 30, bool)
+
+
+async def test_delete_unloads_everywhere(bed: Bed) -> None:
+    await bed.delete_adapter("sql")
+    await bed.eventually("sql deleted", lambda: bed.gone("sql"), 30, bool)
+    for pod in await bed.pods():
+        assert "sql" not in await loras(pod.status.pod_ip)
+    unloaded = [e for e in await bed.events() if e.get("reason") == "Unloaded"]
+    assert any("sql unloaded from pods" in (e.get("note") or "") for e in unloaded)
+
+
+async def test_delete_with_a_pod_not_answering_is_bounded(bed: Bed) -> None:
+    pods = await bed.pods()
+    frozen = pods[0]
+    signal_pod(frozen, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await bed.delete_adapter("chat")
+        await bed.eventually("chat deleted", lambda: bed.gone("chat"), 30, bool)
+        took = time.monotonic() - started
+        assert took < UNLOAD_BOUND_SECONDS + 8, f"deletion took {took:.1f}s"
+    finally:
+        signal_pod(frozen, signal.SIGCONT)
+    incomplete = [e for e in await bed.events() if e.get("reason") == "UnloadIncomplete"]
+    assert len(incomplete) == 1
+    note = incomplete[0]["note"]
+    assert frozen.metadata.name in note
+    assert incomplete[0]["type"] == "Warning"
+    for pod in pods[1:]:
+        assert "chat" not in await loras(pod.status.pod_ip)
+
+
+async def test_deleting_the_worker_first_never_blocks_an_adapter(bed: Bed) -> None:
+    await bed.create_adapter("orphan", {"uri": bed.uri("chat-lora")})
+    await bed.wait_adapter("orphan", lambda o: (o.get("status") or {}).get("loadedReplicas", 0) > 0)
+    await bed.custom.delete_namespaced_custom_object(
+        GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER
+    )
+
+    async def worker_gone() -> bool:
+        try:
+            await bed.worker()
+        except ApiException as err:
+            return err.status == 404
+        return False
+
+    await bed.eventually("DynamoWorker deleted", worker_gone, 60, bool)
+    orphan = await bed.wait_adapter(
+        "orphan", lambda o: condition(o, "Ready").get("reason") == "WorkerNotFound", within=30
+    )
+    assert "spec.workerRef.name" in condition(orphan, "Ready")["message"]
+    started = time.monotonic()
+    await bed.delete_adapter("orphan")
+    await bed.eventually("orphan deleted", lambda: bed.gone("orphan"), 30, bool)
+    assert time.monotonic() - started < UNLOAD_BOUND_SECONDS + 8
+
+
+async def test_the_secret_never_leaves_the_pods(bed: Bed) -> None:
+    log = bed.operator.log_path.read_text(errors="replace")
+    assert "LoRAAdapter" in log  # the log is the operator's, and it talked about adapters
+    events = json.dumps(await bed.events())
+    assert bed.statuses, "statuses were collected"
+    for where, text in (("log", log), ("status", "\n".join(bed.statuses)), ("events", events)):
+        assert bed.canary not in text, f"the canary leaked into the operator's {where}"

@@ -1,0 +1,246 @@
+"""Upstream Dynamo's own processes (ai-dynamo 1.6.1 from PyPI) next to ours, on loopback.
+
+`hack/oracle-venv` installs upstream into a venv of its own (`$DYNAMO_ORACLE_VENV`, default
+~/.cache/dynamo-testbed/oracle-venv); tests that need it skip, naming that script, when it
+is absent. `UpstreamFleet` shares one file-discovery folder (`DYN_FILE_KV`) between
+upstream's frontend, upstream's sample worker and our `dynamo-worker` processes, all on
+127.0.0.1 with their logs in the test's temp folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from support.worker_process import WorkerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+ORACLE_VENV_ENV = "DYNAMO_ORACLE_VENV"
+DEFAULT_ORACLE_VENV = Path.home() / ".cache" / "dynamo-testbed" / "oracle-venv"
+SAMPLE_ENGINE = "dynamo.engines.sample:SampleEngine"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def oracle_venv() -> Path:
+    """Where upstream's venv is expected."""
+    return Path(os.environ.get(ORACLE_VENV_ENV) or DEFAULT_ORACLE_VENV)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for processes that cannot report theirs).
+
+    Below 32768: upstream reads DYN_SYSTEM_PORT as a signed 16-bit number.
+    """
+    for _ in range(100):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free TCP port in 20000-32767 on 127.0.0.1")
+
+
+class UpstreamProcess:
+    """One upstream process, its output in a log file."""
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str], log: Path) -> None:
+        self.log_path = log
+        self._log = log.open("w")
+        self.process = subprocess.Popen(
+            list(args),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log(self, tail: int = 60) -> str:
+        """The last `tail` lines it printed."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-tail:])
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+
+
+class UpstreamFleet:
+    """Upstream's frontend, upstream's sample worker and our workers, sharing discovery."""
+
+    def __init__(self, venv: Path, root: Path) -> None:
+        self.python = venv / "bin" / "python"
+        self.root = root
+        self.kv = root / "kv"
+        self.home = root / "home"
+        self.kv.mkdir()
+        self.home.mkdir()
+        self.processes: list[UpstreamProcess] = []
+        self.workers: list[WorkerProcess] = []
+        self.frontend_url = ""
+
+    def upstream_env(self, **extra: str) -> dict[str, str]:
+        """Loopback everywhere; HOME is scratch (the frontend caches model files there)."""
+        return {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(self.home),
+            "DYN_FILE_KV": str(self.kv),
+            "DYN_SYSTEM_HOST": "127.0.0.1",
+            "DYN_TCP_RPC_HOST": "127.0.0.1",
+            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+            "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+            **extra,
+        }
+
+    async def start_frontend(self, *args: str) -> str:
+        """Start `python -m dynamo.frontend` with file discovery; its base URL once it answers."""
+        port = free_port()
+        frontend = UpstreamProcess(
+            [
+                str(self.python),
+                "-m",
+                "dynamo.frontend",
+                "--discovery-backend",
+                "file",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                *args,
+            ],
+            self.upstream_env(),
+            self.root / "frontend.log",
+        )
+        self.processes.append(frontend)
+        self.frontend_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(self.frontend_url + "/v1/models") as response:
+                        if response.status == 200:
+                            return self.frontend_url
+                except aiohttp.ClientError:
+                    pass
+                if frontend.process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"upstream's frontend did not start:\n{frontend.log()}")
+                await asyncio.sleep(0.1)
+
+    def start_upstream_worker(self, model: Path, *args: str) -> tuple[UpstreamProcess, str]:
+        """Upstream's sample worker (rotating token ids); it and its system server's URL."""
+        port = free_port()
+        worker = UpstreamProcess(
+            [
+                str(self.python),
+                "-m",
+                "dynamo.common.backend.sample_main",
+                "--discovery-backend",
+                "file",
+                "--request-plane",
+                "tcp",
+                "--event-plane",
+                "zmq",
+                "--model-name",
+                str(model),
+                *args,
+            ],
+            self.upstream_env(DYN_SYSTEM_PORT=str(port)),
+            self.root / f"upstream-worker-{len(self.processes)}.log",
+        )
+        self.processes.append(worker)
+        return worker, f"http://127.0.0.1:{port}"
+
+    def start_worker(self, *args: str, env: Mapping[str, str] | None = None) -> WorkerProcess:
+        """Our `dynamo-worker`, published by file discovery with the TCP request plane."""
+        worker = WorkerProcess(
+            args,
+            {
+                "DYN_DISCOVERY_BACKEND": "file",
+                "DYN_FILE_KV": str(self.kv),
+                "DYN_REQUEST_PLANE": "tcp",
+                "DYN_TCP_RPC_HOST": "127.0.0.1",
+                # The test engines in tests/support import from here.
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])
+                ),
+                **(env or {}),
+            },
+        )
+        self.workers.append(worker)
+        return worker
+
+    async def wait_models(self, *names: str, within: float = 60) -> list[dict[str, Any]]:
+        """Poll the frontend's /v1/models until every name is listed; the listing."""
+        deadline = time.monotonic() + within
+        async with aiohttp.ClientSession() as session:
+            while True:
+                async with session.get(self.frontend_url + "/v1/models") as response:
+                    listing = (await response.json())["data"]
+                if set(names) <= {model["id"] for model in listing}:
+                    return list(listing)
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"frontend lists {[m['id'] for m in listing]}, never {list(names)}:\n"
+                        + self.logs()
+                    )
+                await asyncio.sleep(0.1)
+
+    async def wait_frontend_log(self, fragment: str, within: float = 30) -> None:
+        """Wait until the frontend's log has a line containing `fragment` (ANSI colours
+        removed)."""
+        frontend = self.processes[0]
+        deadline = time.monotonic() + within
+        while True:
+            text = _ANSI.sub("", frontend.log_path.read_text(errors="replace"))
+            if fragment in text:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"frontend never logged {fragment!r}:\n{self.logs()}")
+            await asyncio.sleep(0.05)
+
+    def logs(self) -> str:
+        """Every process's recent output, for failure messages."""
+        parts = [f"--- {p.log_path.name}\n{p.log()}" for p in self.processes]
+        parts += [f"--- our worker {w.command[-1]}\n{w.log()[-4000:]}" for w in self.workers]
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        """Stop our workers, then upstream's processes."""
+        for worker in self.workers:
+            worker.close()
+        for process in reversed(self.processes):
+            process.stop()
+
+
+@pytest.fixture
+def upstream_fleet(tmp_path: Path) -> Iterator[UpstreamFleet]:
+    """An `UpstreamFleet` in the test's temp folder; skipped without upstream's venv."""
+    venv = oracle_venv()
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(
+            f"upstream Dynamo's venv is not at {venv}; create it with hack/oracle-venv "
+            f"(or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
+        )
+    fleet = UpstreamFleet(venv, tmp_path)
+    yield fleet
+    fleet.close()

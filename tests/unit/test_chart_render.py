@@ -1,0 +1,433 @@
+"""The Helm chart, rendered by the real helm binary (no cluster): lint, golden output, the
+values schema, the operator's command line, the CRD templates, and RBAC derived from the code.
+
+Golden files: tests/unit/golden/chart/<case>.yaml, the `helm template` output without the CRD
+documents (those are checked against the generated CRDs instead, so a model change does not
+touch these files). Regenerate with DYNAMO_UPDATE_GOLDEN=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dynamo_operator import cli
+from dynamo_operator.api import DynamoWorker, crd
+from dynamo_operator.api import metadata as dwm
+from dynamo_operator.handlers import build_registry
+from dynamo_operator.k8s import kinds
+from dynamo_operator.reconcile import builders
+from dynamo_operator.reconcile.settings import ReconcileSettings
+from support.api_cases import FULL_DYNAMO_WORKER
+from support.helm import CHART, RENDER_KUBE_VERSION, documents, require_helm, run_helm, template
+
+pytestmark = pytest.mark.unit
+
+GOLDEN = Path(__file__).parent / "golden" / "chart"
+UPDATE = os.environ.get("DYNAMO_UPDATE_GOLDEN") == "1"
+REPO = Path(__file__).resolve().parents[2]
+OPERATOR_CODE = REPO / "operator" / "src" / "dynamo_operator"
+
+CASES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "namespaced": {
+        "rbac": {"scope": "namespaced", "watchNamespaces": ["team-a", "team-b"]},
+        "workerDefaults": {
+            "image": "registry.example.com/dynamo-worker:0.1.0",
+            "imagePullSecrets": [{"name": "regcred"}],
+        },
+        "operator": {"logLevel": "debug"},
+    },
+    "metrics": {
+        "metrics": {
+            "port": 9000,
+            "service": {"port": 9100, "annotations": {"prometheus.io/scrape": "true"}},
+            "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}},
+        },
+    },
+}
+Permission = tuple[str, str, str, tuple[str, ...]]  # (group, resource, verb, resourceNames)
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    return require_helm()
+
+
+def render(helm: Path, values: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    return documents(template(helm, values, **kwargs).stdout)
+
+
+def without_crds(text: str) -> str:
+    """`helm template` output without the documents rendered from templates/crds/."""
+    docs = text.split("\n---\n")
+    kept = [d for d in docs if "# Source: dynamo-operator/templates/crds/" not in d]
+    return "\n---\n".join(kept).strip() + "\n"
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert len(spec["containers"]) == 1
+    return dict(spec["containers"][0])
+
+
+def permissions(rules: list[dict[str, Any]]) -> set[Permission]:
+    return {
+        (group, resource, verb, tuple(rule.get("resourceNames") or ()))
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+# -- lint and golden output ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lint_is_clean(helm: Path, case: str) -> None:
+    values = CASES[case]
+    args = [a for k, v in values.items() for a in ("--set-json", f"{k}={json.dumps(v)}")]
+    result = run_helm(
+        helm, "lint", str(CHART), "--strict", "--kube-version", RENDER_KUBE_VERSION, *args
+    )
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout, result.stdout
+    assert "[ERROR]" not in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_template_matches_golden(helm: Path, case: str) -> None:
+    text = without_crds(template(helm, CASES[case]).stdout)
+    path = GOLDEN / f"{case}.yaml"
+    if UPDATE:
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"{path} is missing: run with DYNAMO_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{path.name} is stale: review, then DYNAMO_UPDATE_GOLDEN=1"
+
+
+# -- the values schema ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"metrics": {"port": "8080"}}, "at '/metrics/port': got string, want integer"),
+        ({"replicaCount": 2}, "at '/replicaCount': value must be 1"),
+        ({"rbac": {"scope": "global"}}, "at '/rbac/scope': value must be one of"),
+        ({"crds": {"keep": "yes"}}, "at '/crds/keep': got string, want boolean"),
+        ({"crds": {"keepp": True}}, "additional properties 'keepp' not allowed"),
+        ({"workerDefaults": {"image": 5}}, "at '/workerDefaults/image': got number, want string"),
+        ({"rbac": {"watchNamespaces": ["Team_A"]}}, "at '/rbac/watchNamespaces/0'"),
+        ({"health": {"port": 70000}}, "at '/health/port': maximum"),
+        ({"operator": {"logLevel": "trace"}}, "at '/operator/logLevel': value must be one of"),
+    ],
+    ids=lambda v: json.dumps(v) if isinstance(v, dict) else "",
+)
+def test_schema_refuses_bad_values(helm: Path, values: dict[str, Any], message: str) -> None:
+    result = template(helm, values, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def test_every_value_is_in_the_schema_and_documented() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(value: Any, node: dict[str, Any], path: str) -> None:
+        if "properties" not in node:
+            return  # a free-form Kubernetes object (resources, securityContext, ...)
+        assert node.get("additionalProperties") is False, f"{path or '/'}: unknown keys pass"
+        assert set(value) == set(node["properties"]) - {"global"}, path
+        for key, sub in node["properties"].items():
+            assert sub.get("type"), f"{path}/{key} has no type in the schema"
+            assert sub.get("description"), f"{path}/{key} has no description in the schema"
+            if key in value:
+                walk(value[key], sub, f"{path}/{key}")
+
+    walk(values, schema, "")
+    # Every key of values.yaml comes right after a comment (values of free-form objects,
+    # such as the keys of podSecurityContext, are documented by the comment of their key).
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    free = {"podSecurityContext", "securityContext", "resources"}
+    stack: list[tuple[int, str]] = []
+    for number, line in enumerate(lines):
+        match = re.match(r"^( *)([A-Za-z][A-Za-z0-9]*):", line)
+        if not match:
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        stack = [(i, k) for i, k in stack if i < indent]
+        if not any(k in free for _, k in stack):
+            above = lines[number - 1].strip()
+            assert above.startswith("#"), f"values.yaml line {number + 1}: {key} is undocumented"
+        stack.append((indent, key))
+
+
+# -- the Deployment and the operator's command line -------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_operator_command_line_is_one_the_operator_accepts(helm: Path, case: str) -> None:
+    main = container(render(helm, CASES[case]))
+    assert main["command"] == ["dynamo-operator"]
+    args = cli._parser().parse_args(main["args"])
+    assert args.command == "run"
+    assert args.install_crds is False, "the chart installs the CRDs"
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    assert args.health_port == ports["health"]
+    assert args.metrics_port == ports["metrics"]
+
+
+def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None:
+    docs = render(helm)
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    main = container(docs)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert main[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert main["resources"]["requests"]
+    assert main["resources"]["limits"]["memory"]
+    # The `restricted` Pod Security Standard.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert main["securityContext"]["allowPrivilegeEscalation"] is False
+    assert main["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    args = cli._parser().parse_args(main["args"])
+    assert args.all_namespaces
+    assert args.worker_image is None
+
+
+def test_values_reach_the_operator(helm: Path) -> None:
+    values = {
+        "workerDefaults": {
+            "image": "registry.example.com/dynamo-worker:1.2",
+            "imagePullSecrets": [{"name": "worker-pull"}, {"name": "mirror-pull"}],
+        },
+        "operator": {"logLevel": "warning", "resyncSeconds": 12.5, "extraArgs": ["--verbose"]},
+        "metrics": {"enabled": False},
+        "health": {"port": 9999},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "image": {"repository": "example.com/op", "tag": "v9"},
+    }
+    docs = render(helm, values)
+    main = container(docs)
+    assert main["image"] == "example.com/op:v9"
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["imagePullSecrets"] == [
+        {"name": "regcred"}
+    ]
+    assert main["args"][-1] == "--verbose"
+    args = cli._parser().parse_args(main["args"][:-1])
+    assert args.worker_image == "registry.example.com/dynamo-worker:1.2"
+    assert args.worker_image_pull_secrets == ["worker-pull", "mirror-pull"]
+    assert args.quiet
+    assert args.resync_seconds == 12.5
+    assert args.metrics_port == -1
+    assert args.health_port == 9999
+    assert [p["name"] for p in main["ports"]] == ["health"]
+    assert not [d for d in docs if d["kind"] in ("Service", "ServiceMonitor")]
+
+
+# -- RBAC ----------------------------------------------------------------------------------
+
+
+def required_permissions() -> tuple[set[Permission], set[Permission]]:
+    """What the operator's code needs: (namespaced, cluster-scoped) permissions."""
+    need: set[Permission] = set()
+    # kopf lists and watches every resource a handler or index is registered for, and
+    # patches those it runs change handlers or daemons on (finalizer, progress annotations).
+    registry = build_registry()
+    for attr in ("_indexing", "_watching", "_spawning", "_changing"):
+        for handler in getattr(registry, attr).get_all_handlers():
+            selector = handler.selector
+            assert selector is not None
+            # Handlers name their resource by plural (e.g. "pods"), which kopf keeps as any_name.
+            group, plural = selector.group or "", selector.plural or selector.any_name
+            need |= {(group, plural, v, ()) for v in ("list", "watch")}
+            if attr in ("_spawning", "_changing"):
+                need.add((group, plural, "patch", ()))
+    # Every child is read, then server-side applied (create + patch).
+    settings = ReconcileSettings(worker_image="x", pod_monitor_crd=True)
+    stored = copy.deepcopy(FULL_DYNAMO_WORKER)
+    stored["metadata"] |= {"namespace": "ns", "uid": "u"}
+    stored["spec"]["metrics"] = {"podMonitor": "Enabled"}
+    dw = DynamoWorker.model_validate(stored)
+    for child in builders.desired_children(dw, settings):
+        group = child["apiVersion"].rpartition("/")[0]
+        need |= {(group, kinds.kind_of(child).plural, v, ()) for v in ("get", "create", "patch")}
+    # Reads, deletes and status patches of a named kind, as the source spells them
+    # (`cluster.get(kinds.POD_MONITOR, ...)`); CRDs are cluster-scoped, checked below.
+    source = "\n".join(
+        p.read_text() for d in ("reconcile", "handlers") for p in (OPERATOR_CODE / d).glob("*.py")
+    )
+    verbs = {"get": "get", "list": "list", "delete": "delete", "patch_status": "patch"}
+    for method, name in re.findall(
+        r"\.(get|list|delete|patch_status)\(\s*kinds\.([A-Z_]+)", source
+    ):
+        kind = getattr(kinds, name)
+        if kind is kinds.CRD:
+            continue
+        suffix = "/status" if method == "patch_status" else ""
+        group = kind.api_version.rpartition("/")[0]
+        need.add((group, kind.plural + suffix, verbs[method], ()))
+    assert "create_event(" in source
+    need.add(("events.k8s.io", "events", "create", ()))  # the reconciler's Events
+    need.add(("", "events", "create", ()))  # kopf posts core/v1 Events (posting is on)
+    # The workers' Role: RBAC lets the operator grant only what it holds.
+    role = builders.desired_role(dw)
+    need |= permissions(role["rules"])
+    # Cluster-scoped: whether the PodMonitor CRD exists.
+    assert "crd_exists(POD_MONITOR_CRD)" in source
+    crds = ("apiextensions.k8s.io", "customresourcedefinitions")
+    return need, {(*crds, "get", (builders.POD_MONITOR_CRD,))}
+
+
+# Needed where the code cannot show it: with the OwnerReferencesPermissionEnforcement admission
+# plugin (OpenShift), setting blockOwnerDeletion on a child asks for update on the owner's
+# finalizers.
+EXTRA = {("dynamo.dev", "dynamoworkers/finalizers", "update", ())}
+
+
+def test_cluster_role_grants_exactly_what_the_code_uses(helm: Path) -> None:
+    namespaced, cluster = required_permissions()
+    # The derivation finds what it should.
+    assert ("nvidia.com", dwm.PLURAL, "create", ()) in namespaced
+    assert ("dynamo.dev", "dynamoworkers/status", "patch", ()) in namespaced
+    assert ("monitoring.coreos.com", "podmonitors", "delete", ()) in namespaced
+    granted = permissions(one(render(helm), "ClusterRole")["rules"])
+    assert granted - (namespaced | cluster | EXTRA) == set(), "granted but never used"
+    assert (namespaced | cluster) - granted == set(), "used but not granted"
+
+
+def test_namespaced_scope_grants_the_same_per_namespace(helm: Path) -> None:
+    namespaced, cluster = required_permissions()
+    values = {"rbac": {"scope": "namespaced", "watchNamespaces": ["team-a", "team-b"]}}
+    docs = render(helm, values, namespace="ops")
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert permissions(role["rules"]) == namespaced | EXTRA
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "dynamo-operator", "namespace": "ops"}
+        ]
+    assert permissions(one(docs, "ClusterRole")["rules"]) == cluster
+    args = cli._parser().parse_args(container(docs)["args"])
+    assert args.namespaces == ["team-a", "team-b"]
+    assert not args.all_namespaces
+    # No namespaces listed: the release namespace.
+    docs = render(helm, {"rbac": {"scope": "namespaced"}}, namespace="ops")
+    assert [r["metadata"]["namespace"] for r in docs if r["kind"] == "Role"] == ["ops"]
+    assert cli._parser().parse_args(container(docs)["args"]).namespaces == ["ops"]
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespaced"])
+def test_rbac_has_no_wildcards_secrets_or_escalation(helm: Path, scope: str) -> None:
+    docs = render(helm, {"rbac": {"scope": scope}})
+    for role in (d for d in docs if d["kind"] in ("Role", "ClusterRole")):
+        for group, resource, verb, _ in permissions(role["rules"]):
+            assert "*" not in (group, resource, verb)
+            assert resource != "secrets", "the operator only references Secrets by name"
+            assert verb not in ("escalate", "bind", "impersonate")
+
+
+def test_rbac_create_false_renders_no_rbac(helm: Path) -> None:
+    docs = render(helm, {"rbac": {"create": False}})
+    assert not [d for d in docs if d["kind"].endswith(("Role", "RoleBinding"))]
+
+
+# -- the CRDs -------------------------------------------------------------------------------
+
+
+def test_chart_crd_templates_are_current() -> None:
+    stale = crd.stale_chart_files(CHART)
+    assert not stale, f"templates/crds/ is stale ({', '.join(stale)}): run hack/gen-crds"
+    # Only the generated templates live there, and the chart has no `crds/` folder (Helm
+    # would install those once and never upgrade them).
+    names = {p.name for p in (CHART / crd.CHART_CRD_DIR).iterdir()}
+    assert names == set(crd.chart_crd_files())
+    assert not (CHART / "crds").exists()
+
+
+def _bare(manifest: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(manifest)
+    out["metadata"] = {"name": manifest["metadata"]["name"]}
+    return out
+
+
+def test_rendered_crds_are_the_generated_ones(helm: Path) -> None:
+    docs = render(helm)
+    rendered = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+    # `helm template` cannot look the cluster up, so upstream's CRD is always rendered here.
+    assert {name: _bare(d) for name, d in rendered.items()} == {
+        c["metadata"]["name"]: _bare(c) for c in crd.all_crds()
+    }
+    for name, doc in rendered.items():
+        annotations = doc["metadata"].get("annotations") or {}
+        assert annotations.get("helm.sh/resource-policy") == "keep", name
+        assert doc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    upstream = rendered[f"{dwm.PLURAL}.{dwm.GROUP}"]["metadata"]["annotations"]
+    assert upstream == crd.dynamo_worker_metadata_crd()["metadata"]["annotations"]
+
+
+def test_crd_values(helm: Path) -> None:
+    docs = render(helm, {"crds": {"keep": False}})
+    for doc in (d for d in docs if d["kind"] == "CustomResourceDefinition"):
+        kept = (doc["metadata"].get("annotations") or {}).get("helm.sh/resource-policy")
+        # Upstream's DynamoWorkerMetadata is always kept: other components may use it.
+        assert kept == ("keep" if doc["spec"]["group"] == dwm.GROUP else None)
+    docs = render(helm, {"crds": {"install": False}})
+    assert not [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+
+
+def test_chart_templates_escape_template_delimiters() -> None:
+    manifest = crd.custom_resource_definition(crd.LoRAAdapter)
+    manifest["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] = "a {{ b }}"
+    text = crd.chart_template(manifest)
+    assert 'a {{ "{{" }} b }}' in text
+
+
+# -- NOTES and Chart.yaml --------------------------------------------------------------------
+
+
+def test_notes_point_at_examples_that_exist() -> None:
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    paths = set(re.findall(r"examples/[\w.-]+\.yaml", notes))
+    assert paths, "NOTES.txt tells the user what to apply next"
+    for path in paths:
+        assert (REPO / path).is_file(), f"NOTES.txt names {path}, which does not exist"
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["kubeVersion"] == ">=1.30.0-0"
+    annotations = chart["annotations"]
+    assert annotations["artifacthub.io/license"] == "Apache-2.0"
+    listed = {c["name"] for c in yaml.safe_load(annotations["artifacthub.io/crds"])}
+    assert listed == {c["metadata"]["name"] for c in crd.all_crds()}
+    for example in yaml.safe_load(annotations["artifacthub.io/crdsExamples"]):
+        resource = {"DynamoWorker": crd.DynamoWorker, "LoRAAdapter": crd.LoRAAdapter}
+        resource[example["kind"]].model_validate(example)
+    assert yaml.safe_load(annotations["artifacthub.io/links"])
