@@ -173,7 +173,7 @@ class Demo:
                 "drain": {"gracePeriodSeconds": 1, "drainTimeoutSeconds": 10},
                 "credentials": {"s3": {"secretName": "demo-s3",
                                        "endpoint": f"http://{GATEWAY_IP}:{S3_PORT}"}},
-                "pod": {**PROCESS_NODE, "env": [{"name": "AWS_ALLOW_HTTP", "value": "true"}]},
+                "pod": PROCESS_NODE,
             },
         }  # fmt: skip
         adapters = [

@@ -110,7 +110,6 @@ async def test_lora_adapter_figures(
                     "tolerations": [
                         {"key": "dynamo.dev/process-node", "operator": "Exists"},
                     ],
-                    "env": [{"name": "AWS_ALLOW_HTTP", "value": "true"}],
                 },
             },
         }

@@ -307,7 +307,6 @@ async def bed(
                             "effect": "NoSchedule",
                         }
                     ],
-                    "env": [{"name": "AWS_ALLOW_HTTP", "value": "true"}],
                 },
             },
         }

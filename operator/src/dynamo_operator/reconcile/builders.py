@@ -139,6 +139,9 @@ def _credential_env(spec: DynamoWorkerSpec) -> list[Manifest]:
             env.append(_secret_env(Env.AWS_SESSION_TOKEN, s3.secret_name, s3.session_token_key))
         if s3.endpoint is not None:
             env.append({"name": str(Env.AWS_ENDPOINT_URL), "value": s3.endpoint})
+            if s3.endpoint.startswith("http://"):
+                # The downloader refuses plain HTTP unless told; the user chose this endpoint.
+                env.append({"name": str(Env.AWS_ALLOW_HTTP), "value": "true"})
         if s3.region is not None:
             env.append({"name": str(Env.AWS_REGION), "value": s3.region})
     hf = credentials.hugging_face
