@@ -138,15 +138,18 @@ class Demo:
     def install_operator(self) -> None:
         say("installing the chart (operator pod on the process node, CRDs, RBAC)")
         values = {
-            "nodeSelector": PROCESS_NODE["nodeSelector"],
-            "tolerations": PROCESS_NODE["tolerations"],
+            **PROCESS_NODE,
+            # The process node runs the pod's command and ignores images; a real cluster pulls
+            # the image built from worker_image/Dockerfile.
+            "workerDefaults": {"image": "dynamo-worker:demo"},
         }
         values_file = self.state / "operator-values.yaml"
         values_file.write_text(yaml.safe_dump(values))
         self.tool(
             "helm", "upgrade", "--install", RELEASE, str(REPO_DIR / "helm" / "dynamo-operator"),
             "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "-f", str(values_file),
-            "--wait", "--timeout", "5m",
+            # Adopt CRDs a previous test run or `kubectl apply -f crds/` created.
+            "--take-ownership", "--wait", "--timeout", "5m",
         )  # fmt: skip
 
     def apply_workloads(self, model: Path) -> None:
@@ -206,6 +209,8 @@ class Demo:
                 last = line
             if _ready(dw) == "Ready" and all(_ready(lora) == "Ready" for lora in loras):
                 return
+            if _ready(dw) == "InvalidSpec":
+                raise SystemExit(f"the DynamoWorker was refused: {_message(dw)}")
             if time.monotonic() > deadline:
                 raise SystemExit(
                     f"not ready within {within:.0f}s; see `kubectl -n {NAMESPACE} describe dw,lora`"
@@ -254,6 +259,13 @@ def _ready(obj: dict[str, Any]) -> str:
                 else condition.get("reason", "NotReady")
             )
     return "Pending"
+
+
+def _message(obj: dict[str, Any]) -> str:
+    for condition in obj.get("status", {}).get("conditions", []):
+        if condition.get("type") == "Ready":
+            return str(condition.get("message", ""))
+    return ""
 
 
 def _answers(url: str) -> bool:
