@@ -7,9 +7,9 @@ additionalProperties exclude each other in a CRD, and pruning already drops unkn
 bounds string enums by their longest value, and refuses JSON Schema keywords a CRD does not
 take, so a model that cannot become a valid CRD fails here rather than at install time.
 
-Run `hack/gen-crds` (or `python -m dynamo_operator.api.crd crds/ --chart helm/dynamo-operator`)
-after changing a model; a unit test fails while the files under `crds/` or the chart's
-`templates/crds/` are stale.
+Run `hack/gen-crds` (or `python -m dynamo_operator.api.crd crds/ --chart helm/dynamo-operator
+--reference docs/crd-reference.md`) after changing a model; a unit test fails while the files
+under `crds/`, the chart's `templates/crds/` or the CRD reference (`api.reference`) are stale.
 
 The chart carries the same CRDs as regular templates (not in Helm's `crds/` folder, which Helm
 installs once and never upgrades): each is wrapped in `crds.install`, carries Helm's
@@ -395,7 +395,7 @@ def stale_chart_files(chart: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dynamo_operator.api.crd [--check] DIRECTORY [--chart CHART]`."""
+    """`python -m dynamo_operator.api.crd [--check] DIRECTORY [--chart CHART] [--reference MD]`."""
     parser = argparse.ArgumentParser(description="Write the CRDs generated from the API models.")
     parser.add_argument("directory", type=Path, help="where the CRD files go, e.g. crds/")
     parser.add_argument(
@@ -404,19 +404,31 @@ def main(argv: list[str] | None = None) -> int:
         help="also write them as templates into this chart, e.g. helm/dynamo-operator",
     )
     parser.add_argument(
+        "--reference",
+        type=Path,
+        help="also write the Markdown CRD reference to this file, e.g. docs/crd-reference.md",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if any file is stale"
     )
     args = parser.parse_args(argv)
+    # Imported here: the reference module builds on this one.
+    from dynamo_operator.api import reference
+
     if args.check:
         stale = [args.directory / name for name in stale_files(args.directory)]
         if args.chart is not None:
             stale += [args.chart / CHART_CRD_DIR / n for n in stale_chart_files(args.chart)]
+        if args.reference is not None and reference.reference_is_stale(args.reference):
+            stale.append(args.reference)
         for path in stale:
             print(f"{path} is stale: run hack/gen-crds", file=sys.stderr)
         return 1 if stale else 0
     written = write_crds(args.directory)
     if args.chart is not None:
         written += write_chart_crds(args.chart)
+    if args.reference is not None:
+        written.append(reference.write_reference(args.reference))
     for path in written:
         print(path)
     return 0

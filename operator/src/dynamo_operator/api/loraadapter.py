@@ -130,7 +130,10 @@ class LoRAAdapterSpec(ApiModel):
     placement: Placement = defaulted(Placement, "Which ready pods load the adapter.")
     required_for_readiness: bool = Field(
         default=False,
-        description="A targeted pod is reported not ready until it has loaded this adapter.",
+        description=(
+            "Reserved, not enforced yet: gating pod readiness on this adapter needs pod "
+            "readiness gates, which the operator does not set up yet."
+        ),
     )
 
     cel_rules = (
