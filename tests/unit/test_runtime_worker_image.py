@@ -6,46 +6,17 @@ import importlib
 import re
 import shlex
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from support.dockerfile import parse
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "worker_image" / "Dockerfile"
 BUILD_TOOLS = ("build-essential", "gcc", "g++", "make", "python3-dev", "git")
-
-
-@dataclass
-class Stage:
-    base: str
-    name: str | None
-    instructions: list[tuple[str, str]] = field(default_factory=list)
-
-
-def parse(text: str) -> tuple[dict[str, str], list[Stage]]:
-    """Global ARG defaults and the stages, with continuation lines joined."""
-    joined = re.sub(r"\\\n", " ", text)
-    args: dict[str, str] = {}
-    stages: list[Stage] = []
-    for raw in joined.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        keyword, _, rest = line.partition(" ")
-        keyword = keyword.upper()
-        if keyword == "FROM":
-            words = rest.split()
-            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
-            stages.append(Stage(words[0], name))
-        elif stages:
-            stages[-1].instructions.append((keyword, rest.strip()))
-        elif keyword == "ARG":
-            key, _, default = rest.partition("=")
-            args[key.strip()] = default.strip()
-    return args, stages
 
 
 def test_dockerfile_stages() -> None:
