@@ -40,6 +40,7 @@ from .layout import (
     PROCESS_NODE_NAME,
     PROCESS_NODE_POD_CIDR,
     PROCESS_NODE_TAINT_KEY,
+    REPO_DIR,
     Layout,
     Ports,
     read_versions,
@@ -378,11 +379,35 @@ class ProcessNode:
         empty_dirs = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
         for container in spec["containers"]:
             for mount in container.get("volumeMounts") or []:
-                if mount["name"] in empty_dirs:
-                    host = run.directory / "volumes" / mount["name"]
-                    host.mkdir(parents=True, exist_ok=True)
-                    binds.append((str(host), mount["mountPath"]))
+                if mount["name"] not in empty_dirs:
+                    continue
+                if self._would_hide_host_paths(mount["mountPath"], run):
+                    # Pods here are host processes: an emptyDir over /tmp would hide the repo,
+                    # the venv or the pod's own directory when they live below it. The
+                    # process then writes to the host path instead.
+                    log.info(
+                        "pod %s/%s: not mounting emptyDir %s over %s (host paths below)",
+                        run.namespace,
+                        run.name,
+                        mount["name"],
+                        mount["mountPath"],
+                    )
+                    continue
+                host = run.directory / "volumes" / mount["name"]
+                host.mkdir(parents=True, exist_ok=True)
+                binds.append((str(host), mount["mountPath"]))
         return binds
+
+    def _would_hide_host_paths(self, mount_path: str, run: PodRun) -> bool:
+        target = Path(mount_path).resolve()
+        needed = [
+            Path(sys.prefix),
+            Path(sys.executable).parent,
+            REPO_DIR,
+            self.layout.root,
+            run.directory,
+        ]
+        return any(path.resolve().is_relative_to(target) for path in needed)
 
     async def _env(
         self, pod: dict[str, Any], container: dict[str, Any], run: PodRun

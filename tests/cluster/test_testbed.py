@@ -201,11 +201,15 @@ def _http_server_pod(name: str, port: int) -> Any:
             "tolerations": [PROCESS_NODE_TOLERATION],
             "nodeSelector": {"dynamo.dev/node-kind": "process"},
             "terminationGracePeriodSeconds": 5,
+            # An emptyDir over the repository's parent (like a pod's writable /tmp when the
+            # checkout lives in /tmp): the process node must not hide the venv it runs.
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
             "containers": [
                 {
                     "name": "main",
                     "image": "python:3.11",
                     "command": ["python", "-m", "http.server", str(port)],
+                    "volumeMounts": [{"name": "scratch", "mountPath": str(REPO.parent)}],
                     "ports": [{"name": "http", "containerPort": port}],
                     "readinessProbe": {
                         "httpGet": {"path": "/", "port": "http"},
