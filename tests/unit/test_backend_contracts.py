@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from seed_api_table import SEED_API
 
 from dynamo.common.backend import (
     BaseEngine,
@@ -191,36 +192,10 @@ def test_publisher_records() -> None:
 # --- WorkerConfig ---------------------------------------------------------------------------
 
 
-WORKER_FIELD_ORDER = [
-    "namespace",
-    "component",
-    "endpoint",
-    "model_name",
-    "served_model_name",
-    "model_input",
-    "endpoint_types",
-    "discovery_backend",
-    "request_plane",
-    "event_plane",
-    "use_kv_events",
-    "custom_jinja_template",
-    "tool_call_parser",
-    "reasoning_parser",
-    "exclude_tools_when_tool_choice_none",
-    "enable_local_indexer",
-    "enable_kv_routing",
-    "metrics_labels",
-    "disaggregation_mode",
-    "health_check_payload",
-    "structural_tag_mode",
-    "structural_tag_scope",
-    "structural_tag_schema",
-    "route_to_encoder",
-    "media_decoder",
-    "media_fetcher",
-    "kv_state_endpoint",
-    "default_thinking_mode",
-]
+# The seed documents WorkerConfig's fields in order (positional callers depend on it).
+WORKER_FIELD_ORDER = list(
+    next(e.params for e in SEED_API if e.name == "WorkerConfig" and e.params is not None)
+)
 
 
 def test_worker_config_defaults_and_field_order() -> None:

@@ -13,9 +13,6 @@ from seed_api_table import SEED_API, SeedEntry
 
 pytestmark = pytest.mark.unit
 
-# Names whose implementation belongs to a later issue, with the reason shown on skip.
-DEFERRED: dict[str, str] = {}
-
 
 def _param_names(signature: inspect.Signature) -> tuple[str, ...]:
     """Render a signature in the table's notation: `*` marker, `*args`, `**kwargs`."""
@@ -49,8 +46,6 @@ def _method_params(cls: type, method: str) -> tuple[str, ...]:
 
 
 def _resolve(entry: SeedEntry) -> Any:
-    if entry.name in DEFERRED:
-        pytest.skip(DEFERRED[entry.name])
     module = importlib.import_module(entry.module)
     assert hasattr(module, entry.name), f"{entry.module} does not export {entry.name}"
     return getattr(module, entry.name)

@@ -8,6 +8,7 @@ recomputing a converged status yields an equal status and the operator writes no
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from dynamo_operator.api.common import Condition, ConditionStatus
@@ -76,3 +77,44 @@ def merge_conditions(existing: Sequence[Condition], wanted: Iterable[Condition])
         if condition != current:
             merged[index] = condition
     return merged
+
+
+@dataclass(frozen=True)
+class WantedCondition:
+    """A condition as a reconciler computes it, before generation and time are stamped."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+
+
+def apply_conditions(
+    existing: Sequence[Condition],
+    wanted: Iterable[WantedCondition],
+    *,
+    generation: int | None,
+    at: datetime,
+) -> list[Condition]:
+    """`existing` merged with `wanted`, each stamped with `generation` and time `at`."""
+    return merge_conditions(
+        existing,
+        [
+            Condition(
+                type=w.type,
+                status=w.status,
+                reason=w.reason,
+                message=w.message,
+                observed_generation=generation,
+                last_transition_time=at,
+            )
+            for w in wanted
+        ],
+    )
+
+
+def name_list(names: Sequence[str], shown: int = 3) -> str:
+    """`a, b, c and 2 more`: a few names for a status message."""
+    more = len(names) - shown
+    listed = ", ".join(names[:shown])
+    return f"{listed} and {more} more" if more > 0 else listed

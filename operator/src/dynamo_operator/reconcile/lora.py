@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from dynamo_operator.api.common import Condition, ConditionStatus, ConditionType, LabelSelector
-from dynamo_operator.api.conditions import merge_conditions
+from dynamo_operator.api.common import ConditionType, LabelSelector
+from dynamo_operator.api.conditions import WantedCondition, apply_conditions, name_list
 from dynamo_operator.api.dynamoworker import MAX_STATUS_PODS
 from dynamo_operator.api.loraadapter import (
     KIND,
@@ -930,18 +930,11 @@ def _unload(r: _Round, pod: Pod, why: str) -> None:
 # --- status -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Wanted:
-    type: str
-    status: ConditionStatus
-    reason: str
-    message: str
+_Wanted = WantedCondition
 
 
 def _names(pods: Sequence[str]) -> str:
-    shown = ", ".join(pods[:NAMED_PODS])
-    more = len(pods) - NAMED_PODS
-    return f"{shown} and {more} more" if more > 0 else shown
+    return name_list(pods, NAMED_PODS)
 
 
 def _first_failure(tracks: Sequence[PodTrack]) -> tuple[str, list[PodTrack]] | None:
@@ -1087,20 +1080,7 @@ def _status(
     pinned = _source_pinned(adapter)
     if pinned is not None:
         wanted.append(pinned)
-    conditions = merge_conditions(
-        existing,
-        [
-            Condition(
-                type=w.type,
-                status=w.status,
-                reason=w.reason,
-                message=w.message,
-                observed_generation=generation,
-                last_transition_time=r.now,
-            )
-            for w in wanted
-        ],
-    )
+    conditions = apply_conditions(existing, wanted, generation=generation, at=r.now)
     pods = [r.shown[name].to_status() for name in sorted(r.shown)][:MAX_STATUS_PODS]
     status = LoRAAdapterStatus(
         observed_generation=generation,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from dynamo_operator.api.common import Condition, ConditionStatus, ConditionType
-from dynamo_operator.api.conditions import merge_conditions
+from dynamo_operator.api.common import ConditionType
+from dynamo_operator.api.conditions import WantedCondition, apply_conditions, name_list
 from dynamo_operator.api.dynamoworker import (
     MAX_STATUS_PODS,
     DynamoWorker,
@@ -59,18 +59,11 @@ class Observed:
     spec_error: str | None = None
 
 
-@dataclass(frozen=True)
-class _Wanted:
-    type: ConditionType
-    status: ConditionStatus
-    reason: str
-    message: str
+_Wanted = WantedCondition
 
 
 def _names(pods: Sequence[str]) -> str:
-    shown = ", ".join(pods[:NAMED_PODS])
-    more = len(pods) - NAMED_PODS
-    return f"{shown} and {more} more" if more > 0 else shown
+    return name_list(pods, NAMED_PODS)
 
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
@@ -310,20 +303,7 @@ def compute_status(dw: DynamoWorker, observed: Observed) -> dict[str, Any]:
         _degraded(observed, pods),
     ]
     existing = dw.status.conditions if dw.status is not None else []
-    conditions = merge_conditions(
-        existing,
-        [
-            Condition(
-                type=w.type,
-                status=w.status,
-                reason=w.reason,
-                message=w.message,
-                observed_generation=generation,
-                last_transition_time=observed.now,
-            )
-            for w in wanted
-        ],
-    )
+    conditions = apply_conditions(existing, wanted, generation=generation, at=observed.now)
     status = DynamoWorkerStatus(
         observed_generation=generation,
         replicas=min(total, MAX_STATUS_PODS),
