@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import datetime as dt
 import ipaddress
@@ -471,8 +472,6 @@ class ProcessNode:
         raise ValueError(f"unsupported fieldRef {path!r}")
 
     async def _secret(self, namespace: str, name: str) -> dict[str, str]:
-        import base64
-
         secret = await self.core.read_namespaced_secret(name, namespace)
         data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
         data.update(secret.string_data or {})

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-import yaml
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -24,7 +23,7 @@ from dynamo.runtime.discovery import (
 )
 from dynamo.runtime.discovery.kubernetes import KubernetesBackend
 from dynamo.runtime.discovery.records import metadata_for
-from support.cluster import Cluster, eventually
+from support.cluster import Cluster, ensure_crd, eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -38,21 +37,7 @@ ENDPOINT_KEY = "dynamo/backend/generate/43710f49c0cff"
 @pytest_asyncio.fixture
 async def crd(api: client.ApiClient) -> None:
     """Upstream's CRD from the checked-in file, created when absent, Established."""
-    ext = client.ApiextensionsV1Api(api)
-    body = yaml.safe_load(CRD.read_text())
-    try:
-        await ext.create_custom_resource_definition(body)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-
-    async def established() -> bool:
-        got = await ext.read_custom_resource_definition(body["metadata"]["name"])
-        return any(
-            c.type == "Established" and c.status == "True" for c in got.status.conditions or []
-        )
-
-    await eventually(established, 60, bool)
+    await ensure_crd(api, CRD)
 
 
 async def _pod(api: client.ApiClient, namespace: str) -> Any:

@@ -10,11 +10,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from support.cluster import REPO, Cluster, eventually
+from support.cluster import REPO, Cluster, ensure_crd, eventually
 from support.s3 import S3Server
 from support.tiny_model import TinyModel
 from support.worker_process import WorkerFactory, worker_factory
@@ -99,24 +97,6 @@ async def test_tiny_model_serves_greedy_text_and_an_s3_adapter(
     assert await worker.wait_exit() == 0
 
 
-async def _ensure_dwm_crd(api: client.ApiClient) -> None:
-    ext = client.ApiextensionsV1Api(api)
-    body = yaml.safe_load((REPO / "crds" / "nvidia.com_dynamoworkermetadatas.yaml").read_text())
-    try:
-        await ext.create_custom_resource_definition(body)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-
-    async def established() -> bool:
-        got = await ext.read_custom_resource_definition(body["metadata"]["name"])
-        return any(
-            c.type == "Established" and c.status == "True" for c in got.status.conditions or []
-        )
-
-    await eventually(established, 60, bool)
-
-
 async def test_worker_publishes_its_dynamoworkermetadata(
     worker_factory: WorkerFactory,
     api: client.ApiClient,
@@ -128,7 +108,7 @@ async def test_worker_publishes_its_dynamoworkermetadata(
 ) -> None:
     """With a pod's env (POD_*, kubernetes discovery), the worker server-side-applies its
     DynamoWorkerMetadata owned by the Pod, and updates it on adapter loads and taint changes."""
-    await _ensure_dwm_crd(api)
+    await ensure_crd(api, REPO / "crds" / "nvidia.com_dynamoworkermetadatas.yaml")
     pod_body: Any = {
         "metadata": {"name": "tiny-worker-0"},
         "spec": {

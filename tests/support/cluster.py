@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 
 import pytest
 import pytest_asyncio
+import yaml
 from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
 
 REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack"
@@ -136,3 +138,22 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {within}s; last: {last!r}")
         await asyncio.sleep(every)
+
+
+async def ensure_crd(api: client.ApiClient, path: Path) -> None:
+    """Create the CRD in the YAML file at `path` unless it exists; wait until Established."""
+    ext = client.ApiextensionsV1Api(api)
+    body = yaml.safe_load(await asyncio.to_thread(path.read_text))
+    try:
+        await ext.create_custom_resource_definition(body)
+    except ApiException as exc:
+        if exc.status != 409:  # already there: from an earlier test, or upstream's own
+            raise
+
+    async def established() -> bool:
+        got = await ext.read_custom_resource_definition(body["metadata"]["name"])
+        return any(
+            c.type == "Established" and c.status == "True" for c in got.status.conditions or []
+        )
+
+    await eventually(established, 60, bool)
