@@ -31,8 +31,18 @@ from .layout import (
 from .pki import ensure_pki, write_admin_kubeconfig
 
 AGENT = "process-node"
-# Stop order: the process node first (it stops its pods), then the control plane top-down.
-STOP_ORDER = [AGENT, "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+PROXY = "service-proxy"
+# Stop order: the process node first (it stops its pods, which may use Services until they
+# exit), the service proxy, then the control plane top-down.
+STOP_ORDER = [
+    AGENT,
+    PROXY,
+    "kwok",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kube-apiserver",
+    "etcd",
+]
 READY_TIMEOUT = {"etcd": 30, "kube-apiserver": 120}
 
 
@@ -131,9 +141,21 @@ async def _has_default_sa(core: client.CoreV1Api) -> bool:
     return True
 
 
+def _start_service_proxy(layout: Layout) -> None:
+    say("starting the service proxy")
+    daemons.start(
+        layout,
+        PROXY,
+        [sys.executable, "-m", "testbed.service_proxy", f"--kubeconfig={layout.kubeconfig}"],
+        env={"PYTHONPATH": str(HACK_DIR), "DYNAMO_TESTBED_DIR": str(layout.root)},
+    )
+
+
 def up(layout: Layout, ports: Ports) -> None:
     started = time.monotonic()
     if daemons.pid_of(layout, AGENT) and daemons.pid_of(layout, "kube-apiserver"):
+        if not daemons.pid_of(layout, PROXY):  # a test bed started before it had one
+            _start_service_proxy(layout)
         say("already running")
         print_env(layout)
         return
@@ -152,6 +174,7 @@ def up(layout: Layout, ports: Ports) -> None:
             raise SystemExit(
                 f"{component.name} did not become ready; see {layout.logs / component.name}.log"
             )
+    _start_service_proxy(layout)
     say("starting the process node")
     daemons.start(
         layout,
@@ -161,6 +184,8 @@ def up(layout: Layout, ports: Ports) -> None:
     )
     say(f"creating {KWOK_NODE_COUNT} fake GPU nodes and waiting for every node to be Ready")
     asyncio.run(_create_nodes_and_wait(layout, 90))
+    if not daemons.pid_of(layout, PROXY):
+        raise SystemExit(f"the service proxy exited; see {layout.logs / PROXY}.log")
     say(f"ready in {time.monotonic() - started:.1f}s (Kubernetes {read_versions()['K8S_VERSION']})")
     print_env(layout)
 

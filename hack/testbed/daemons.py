@@ -22,10 +22,11 @@ def pid_of(layout: Layout, name: str) -> int | None:
     path = _pid_file(layout, name)
     try:
         pid = int(path.read_text())
-        os.kill(pid, 0)
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+    except (FileNotFoundError, ValueError):
         return None
-    return pid
+    # _alive, not a bare kill 0: a daemon that exited while `up` (its parent) still runs is
+    # a zombie, which answers kill 0.
+    return pid if _alive(pid) else None
 
 
 def start(layout: Layout, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> int:

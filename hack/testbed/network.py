@@ -1,7 +1,8 @@
 """The test bed's pod network on this machine: a gateway address on the host, an unreachable
 route for the guarded range, and one network namespace + veth pair per process-node pod (what
-a CNI plugin would do). Everything it creates carries a `dtb` prefix so `down` can remove
-exactly that and nothing else."""
+a CNI plugin would do), plus the Service addresses the service proxy puts on `lo`. Everything
+it creates carries a `dtb` prefix or lies in the guarded range, so `down` can remove exactly
+that and nothing else."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import hashlib
 import ipaddress
 import subprocess
 
-from .layout import GATEWAY_IP, GUARDED_RANGE, NETNS_PREFIX, VETH_PREFIX
+from .layout import GATEWAY_IP, GUARDED_RANGE, NETNS_PREFIX, SERVICE_CIDR, VETH_PREFIX
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -22,12 +23,41 @@ def _sysctl(key: str, value: str) -> None:
         f.write(value)
 
 
+def _lo_addresses() -> list[str]:
+    """The IPv4 addresses on `lo`, without their prefix length."""
+    out = _ip("-4", "-o", "addr", "show", "dev", "lo", check=False).stdout
+    # Each line reads `1: lo    inet 198.19.0.10/32 scope global lo ...`.
+    return [line.split()[3].split("/")[0] for line in out.splitlines() if " inet " in line]
+
+
 def setup_host() -> None:
     """Give the host its gateway address and hold the whole range as unreachable."""
-    if GATEWAY_IP not in _ip("-4", "addr", "show", "dev", "lo").stdout:
+    if GATEWAY_IP not in _lo_addresses():
         _ip("addr", "add", f"{GATEWAY_IP}/32", "dev", "lo")
     if "unreachable " + str(GUARDED_RANGE) not in _ip("route", "show").stdout:
         _ip("route", "add", "unreachable", str(GUARDED_RANGE))
+
+
+def service_addresses() -> list[str]:
+    """The Service cluster IPs the service proxy holds on `lo` now."""
+    service_range = ipaddress.ip_network(SERVICE_CIDR)
+    return [a for a in _lo_addresses() if ipaddress.ip_address(a) in service_range]
+
+
+def add_service_address(cluster_ip: str) -> None:
+    """Make a Service's cluster IP a local address of the host, so that connections from the
+    host and from pods (routed here through their veth) are delivered to the proxy's
+    listeners: the `local` routing table is consulted before `main`, where the guarded
+    range is unreachable."""
+    if ipaddress.ip_address(cluster_ip) not in ipaddress.ip_network(SERVICE_CIDR):
+        raise ValueError(f"cluster IP {cluster_ip} is outside the service CIDR {SERVICE_CIDR}")
+    if cluster_ip not in _lo_addresses():
+        _ip("addr", "add", f"{cluster_ip}/32", "dev", "lo")
+
+
+def delete_service_address(cluster_ip: str) -> None:
+    """Remove a Service's cluster IP from `lo` (a no-op when it is not there)."""
+    _ip("addr", "del", f"{cluster_ip}/32", "dev", "lo", check=False)
 
 
 def netns_name(pod_uid: str) -> str:
@@ -92,14 +122,17 @@ def leftovers() -> list[str]:
             continue
         if net.version == 4 and net.subnet_of(GUARDED_RANGE):  # type: ignore[arg-type]
             found.append(f"route {line.strip()}")
-    if GATEWAY_IP in _ip("-4", "addr", "show", "dev", "lo", check=False).stdout:
+    lo = _lo_addresses()
+    if GATEWAY_IP in lo:
         found.append(f"address {GATEWAY_IP} on lo")
+    found.extend(f"address {ip} on lo" for ip in service_addresses())
     return found
 
 
 def teardown_host() -> None:
-    """Remove every namespace, veth, route and address the test bed made, killing what still
-    runs inside its namespaces."""
+    """Remove every namespace, veth, route and address the test bed made (Service addresses a
+    killed service proxy left on `lo` among them), killing what still runs inside its
+    namespaces."""
     for ns in namespaces():
         pids = _ip("netns", "pids", ns, check=False).stdout.split()
         for pid in pids:
@@ -111,4 +144,6 @@ def teardown_host() -> None:
             _ip("link", "del", rest, check=False)
         elif kind == "route":
             _ip("route", "del", *rest.split(), check=False)
+    for cluster_ip in service_addresses():
+        delete_service_address(cluster_ip)
     _ip("addr", "del", f"{GATEWAY_IP}/32", "dev", "lo", check=False)

@@ -4,6 +4,7 @@ authorization, CEL validation, and real processes behind real EndpointSlices."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import ipaddress
 import json
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.cluster
 
 sys.path.insert(0, str(REPO / "hack"))
 from testbed import network  # noqa: E402
-from testbed.layout import GUARDED_RANGE, PROCESS_NODE_TAINT_KEY  # noqa: E402
+from testbed.layout import GUARDED_RANGE, PROCESS_NODE_TAINT_KEY, SERVICE_CIDR  # noqa: E402
 
 PROCESS_NODE_TOLERATION = {"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists"}
 
@@ -301,6 +302,181 @@ def _listening(address: str, port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# Answers GET with its pod's name, so a test sees which pod behind a Service answered.
+NAME_SERVER = (
+    "import http.server, os\n"
+    "class Name(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        body = os.environ['POD_NAME'].encode()\n"
+    "        self.send_response(200)\n"
+    "        self.send_header('Content-Length', str(len(body)))\n"
+    "        self.end_headers()\n"
+    "        self.wfile.write(body)\n"
+    "http.server.ThreadingHTTPServer(('', int(os.environ['PORT'])), Name).serve_forever()\n"
+)
+
+
+def _name_server_pod(name: str, app: str, port: int) -> Any:
+    pod = _http_server_pod(name, port)
+    pod["metadata"]["labels"] = {"app": app}
+    container = pod["spec"]["containers"][0]
+    container["command"] = ["python", "-c", NAME_SERVER]
+    container["env"] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "PORT", "value": str(port)},
+    ]
+    return pod
+
+
+def _ready_addresses(slices: Any) -> list[str]:
+    return [
+        str(endpoint.addresses[0])
+        for s in slices.items
+        for endpoint in s.endpoints or []
+        if endpoint.conditions.ready
+    ]
+
+
+async def _service_with_ready_endpoints(
+    api: client.ApiClient, namespace: str, name: str, app: str, ready: int
+) -> str:
+    """Create a ClusterIP Service (port 80 to the pods' `http` port) over the pods labelled
+    `app`; return its cluster IP once its EndpointSlices list `ready` ready endpoints."""
+    service: Any = {
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"app": app},
+            "ports": [{"name": "web", "port": 80, "targetPort": "http"}],
+        },
+    }
+    created = await client.CoreV1Api(api).create_namespaced_service(namespace, service)
+    cluster_ip = str(created.spec.cluster_ip)
+    assert ipaddress.ip_address(cluster_ip) in ipaddress.ip_network(SERVICE_CIDR)
+    await eventually(
+        lambda: client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+            namespace, label_selector=f"kubernetes.io/service-name={name}"
+        ),
+        90,
+        until=lambda s: len(_ready_addresses(s)) == ready,
+    )
+    return cluster_ip
+
+
+def _get_body(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+async def test_cluster_ip_reaches_ready_pods_round_robin_from_host_and_pods(
+    api: client.ApiClient, testbed: Cluster, namespace: str
+) -> None:
+    """The service proxy routes a ClusterIP, as kube-proxy would, from the host and from a
+    pod, to each ready pod in turn."""
+    core = client.CoreV1Api(api)
+    names = {"echo-0", "echo-1"}
+    for name in sorted(names):
+        await core.create_namespaced_pod(namespace, _name_server_pod(name, "echo", 8080))
+    cluster_ip = await _service_with_ready_endpoints(api, namespace, "echo", "echo", 2)
+    url = f"http://{cluster_ip}:80/"
+
+    async def four_answers() -> list[str]:
+        return [await asyncio.to_thread(_get_body, url) for _ in range(4)]
+
+    # The proxy follows the slices by watch: wait until it forwards to both pods.
+    await eventually(four_answers, 30, until=lambda bodies: set(bodies) == names)
+    assert cluster_ip in network.service_addresses()
+    answers = [await asyncio.to_thread(_get_body, url) for _ in range(6)]
+    assert collections.Counter(answers) == {"echo-0": 3, "echo-1": 3}, answers
+
+    # A pod reaches the Service at its cluster IP (its route to the guarded range leads to
+    # the host, where the proxy listens).
+    fetch = (
+        "import urllib.request\n"
+        f"body = urllib.request.urlopen('{url}', timeout=5).read().decode()\n"
+        "print('answered by', body)\n"
+        f"raise SystemExit(0 if body in {sorted(names)!r} else 3)\n"
+    )
+    client_pod: Any = {
+        "metadata": {"name": "service-client"},
+        "spec": {
+            "tolerations": [PROCESS_NODE_TOLERATION],
+            "nodeSelector": {"dynamo.dev/node-kind": "process"},
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "main", "image": "python:3.11", "command": ["python", "-c", fetch]}
+            ],
+        },
+    }
+    await core.create_namespaced_pod(namespace, client_pod)
+    finished = await eventually(
+        lambda: core.read_namespaced_pod("service-client", namespace),
+        60,
+        until=lambda p: p.status.phase in ("Succeeded", "Failed"),
+    )
+    state = finished.status.container_statuses[0].state.terminated
+    assert finished.status.phase == "Succeeded", f"exit {state.exit_code}"
+
+
+def _connection_failure(address: str, port: int) -> tuple[OSError | None, float]:
+    """Connect and read: the error (refused, reset, unreachable, or the peer closing at
+    once) and how long it took to show, or None when the Service answered."""
+    started = time.monotonic()
+    try:
+        with socket.create_connection((address, port), timeout=10) as sock:
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            if sock.recv(1):
+                return None, time.monotonic() - started
+            failure: OSError = ConnectionAbortedError("closed without an answer")
+    except OSError as exc:
+        failure = exc
+    return failure, time.monotonic() - started
+
+
+async def test_service_without_ready_endpoints_refuses_and_deleted_service_loses_its_address(
+    api: client.ApiClient, testbed: Cluster, namespace: str
+) -> None:
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    template = _http_server_pod("scaled", 8080)
+    deployment: Any = {
+        "metadata": {"name": "scaled"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "scaled"}},
+            "template": {"metadata": template["metadata"], "spec": template["spec"]},
+        },
+    }
+    await apps.create_namespaced_deployment(namespace, deployment)
+    cluster_ip = await _service_with_ready_endpoints(api, namespace, "scaled", "scaled", 1)
+    await eventually(lambda: asyncio.to_thread(_get_body, f"http://{cluster_ip}:80/"), 30)
+
+    scale: Any = {"spec": {"replicas": 0}}
+    await apps.patch_namespaced_deployment_scale("scaled", namespace, scale)
+    failure, elapsed = await eventually(
+        lambda: asyncio.to_thread(_connection_failure, cluster_ip, 80),
+        60,
+        until=lambda result: result[0] is not None,
+    )
+    # Rejected at once, as kube-proxy does, not left to time out.
+    assert not isinstance(failure, TimeoutError), f"timed out after {elapsed:.1f}s"
+    assert elapsed < 2, f"{failure!r} took {elapsed:.1f}s"
+    assert isinstance(failure, ConnectionError), repr(failure)
+    # The Service still exists: its address stays and refuses, it is not unreachable.
+    assert cluster_ip in network.service_addresses()
+    refused, _ = await asyncio.to_thread(_connection_failure, cluster_ip, 80)
+    assert isinstance(refused, ConnectionRefusedError), repr(refused)
+
+    await core.delete_namespaced_service("scaled", namespace)
+    await eventually(
+        lambda: asyncio.to_thread(network.service_addresses),
+        30,
+        until=lambda addresses: cluster_ip not in addresses,
+    )
+    gone, _ = await asyncio.to_thread(_connection_failure, cluster_ip, 80)
+    # Back to the guarded range's unreachable route.
+    assert gone is not None
+    assert gone.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH), repr(gone)
 
 
 async def test_pod_service_account_token_reaches_the_api_server(

@@ -99,6 +99,20 @@ FULL_DYNAMO_WORKER = dynamo_worker(
             ],
         },
         "metrics": {"podMonitor": "Disabled"},
+        "frontend": {
+            "image": "registry.example.com/dynamo-frontend:1.6.1",
+            "imagePullPolicy": "IfNotPresent",
+            "replicas": 2,
+            "routerMode": "kv",
+            "command": ["/opt/venv/bin/python", "-m", "dynamo.frontend"],
+            "extraArgs": ["--migration-limit", "3"],
+            "resources": {"cpu": 2, "memory": "4Gi"},
+            "pod": {
+                "nodeSelector": {"node-role": "cpu"},
+                "labels": {"team": "search"},
+                "env": [{"name": "DYN_LOG", "value": "info"}],
+            },
+        },
     },
 )
 
@@ -251,7 +265,7 @@ _INVALID = [
         "dw-reserved-label",
         dynamo_worker(spec={"pod": {"labels": {"dynamo.dev/worker": "x"}}}),
         "spec.pod.labels",
-        "spec.pod.labels: keys under dynamo.dev/ and nvidia.com/dynamo- are set by the operator",
+        "labels: keys under dynamo.dev/ and nvidia.com/dynamo- are set by the operator",
     ),
     Invalid(
         "dw-env-value-and-source",
@@ -269,13 +283,13 @@ _INVALID = [
             }
         ),
         "spec.pod.env[0]",
-        "spec.pod.env[]: set value or valueFrom, not both",
+        "env[]: set value or valueFrom, not both",
     ),
     Invalid(
         "dw-env-empty-source",
         dynamo_worker(spec={"pod": {"env": [{"name": "X", "valueFrom": {}}]}}),
         "spec.pod.env[0].valueFrom",
-        "spec.pod.env[].valueFrom: set exactly one of",
+        "env[].valueFrom: set exactly one of",
     ),
     Invalid(
         "dw-toleration-exists-with-value",
@@ -283,7 +297,23 @@ _INVALID = [
             spec={"pod": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}}
         ),
         "spec.pod.tolerations[0]",
-        "spec.pod.tolerations[].value must be empty when operator is Exists",
+        "tolerations[].value must be empty when operator is Exists",
+    ),
+    Invalid(
+        "dw-frontend-router-mode",
+        dynamo_worker(spec={"frontend": {"routerMode": "sticky"}}),
+        "spec.frontend.routerMode",
+    ),
+    Invalid(
+        "dw-frontend-replicas",
+        dynamo_worker(spec={"frontend": {"replicas": 65}}),
+        "spec.frontend.replicas",
+    ),
+    Invalid(
+        "dw-frontend-reserved-label",
+        dynamo_worker(spec={"frontend": {"pod": {"labels": {"dynamo.dev/frontend": "x"}}}}),
+        "spec.frontend.pod.labels",
+        "labels: keys under dynamo.dev/ and nvidia.com/dynamo- are set by the operator",
     ),
     Invalid(
         "dw-s3-endpoint-credentials",

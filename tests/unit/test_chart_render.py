@@ -25,6 +25,7 @@ from dynamo_operator.handlers import build_registry
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile import builders
 from dynamo_operator.reconcile.settings import ReconcileSettings
+from dynamo_operator.reconcile.worker import FRONTEND_KINDS
 from support.api_cases import FULL_DYNAMO_WORKER
 from support.helm import CHART, RENDER_KUBE_VERSION, documents, require_helm, run_helm, template
 
@@ -215,6 +216,7 @@ def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None
     args = cli._parser().parse_args(main["args"])
     assert args.all_namespaces
     assert args.worker_image is None
+    assert args.frontend_image is None
 
 
 def test_values_reach_the_operator(helm: Path) -> None:
@@ -222,6 +224,7 @@ def test_values_reach_the_operator(helm: Path) -> None:
         "workerDefaults": {
             "image": "registry.example.com/dynamo-worker:1.2",
             "imagePullSecrets": [{"name": "worker-pull"}, {"name": "mirror-pull"}],
+            "frontendImage": "registry.example.com/dynamo-frontend:1.6.1",
         },
         "operator": {"logLevel": "warning", "resyncSeconds": 12.5, "extraArgs": ["--verbose"]},
         "metrics": {"enabled": False},
@@ -239,6 +242,7 @@ def test_values_reach_the_operator(helm: Path) -> None:
     args = cli._parser().parse_args(main["args"][:-1])
     assert args.worker_image == "registry.example.com/dynamo-worker:1.2"
     assert args.worker_image_pull_secrets == ["worker-pull", "mirror-pull"]
+    assert args.frontend_image == "registry.example.com/dynamo-frontend:1.6.1"
     assert args.quiet
     assert args.resync_seconds == 12.5
     assert args.metrics_port == -1
@@ -266,7 +270,7 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
             if attr in ("_spawning", "_changing"):
                 need.add((group, plural, "patch", ()))
     # Every child is read, then server-side applied (create + patch).
-    settings = ReconcileSettings(worker_image="x", pod_monitor_crd=True)
+    settings = ReconcileSettings(worker_image="x", frontend_image="y", pod_monitor_crd=True)
     stored = copy.deepcopy(FULL_DYNAMO_WORKER)
     stored["metadata"] |= {"namespace": "ns", "uid": "u"}
     stored["spec"]["metrics"] = {"podMonitor": "Enabled"}
@@ -279,6 +283,12 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     source = "\n".join(
         p.read_text() for d in ("reconcile", "handlers") for p in (OPERATOR_CODE / d).glob("*.py")
     )
+    # Children deleted when no longer wanted (`WorkerReconciler._remove_unwanted`): read, then
+    # deleted when owned.
+    assert "unwanted.append((kinds.POD_MONITOR" in source
+    for kind in (kinds.POD_MONITOR, *FRONTEND_KINDS):
+        group = kind.api_version.rpartition("/")[0]
+        need |= {(group, kind.plural, v, ()) for v in ("get", "delete")}
     verbs = {"get": "get", "list": "list", "delete": "delete", "patch_status": "patch"}
     for method, name in re.findall(
         r"\.(get|list|delete|patch_status)\(\s*kinds\.([A-Z_]+)", source
@@ -292,9 +302,11 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     assert "create_event(" in source
     need.add(("events.k8s.io", "events", "create", ()))  # the reconciler's Events
     need.add(("", "events", "create", ()))  # kopf posts core/v1 Events (posting is on)
-    # The workers' Role: RBAC lets the operator grant only what it holds.
-    role = builders.desired_role(dw)
-    need |= permissions(role["rules"])
+    # The workers' and the frontend's Roles: RBAC lets the operator grant only what it holds.
+    roles = [c for c in builders.desired_children(dw, settings) if c["kind"] == "Role"]
+    assert len(roles) == 2
+    for role in roles:
+        need |= permissions(role["rules"])
     # Cluster-scoped: whether the PodMonitor CRD exists.
     assert "crd_exists(POD_MONITOR_CRD)" in source
     crds = ("apiextensions.k8s.io", "customresourcedefinitions")

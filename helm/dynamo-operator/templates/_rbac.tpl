@@ -34,31 +34,40 @@ rules against the code.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
-# The worker Deployment: read before applying (no write when unchanged), server-side applied
-# (an apply that creates the object needs create as well as patch), and watched to
-# reconcile when its rollout progresses.
+# The worker and frontend Deployments: read before applying (no write when unchanged),
+# server-side applied (an apply that creates the object needs create as well as patch),
+# watched to reconcile when a rollout progresses, and the frontend's deleted when
+# spec.frontend is removed.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
-# The other children, read before applying and server-side applied: the headless Service, the
-# workers' ServiceAccount, the PodDisruptionBudget, and the workers' Role and RoleBinding.
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The other children, read before applying and server-side applied: the workers' headless
+# Service, ServiceAccount, Role and RoleBinding, the PodDisruptionBudget, and the frontend's
+# Service, ServiceAccount, Role and RoleBinding (deleted when spec.frontend is removed).
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
+# EndpointSlices: the frontend's Role lets it list and watch them (upstream's Kubernetes
+# discovery: a worker is routable while its pod is ready in its Service's slices), and RBAC
+# lets the operator grant only what it holds. The operator itself never reads them.
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["list", "watch"]
 # PodMonitor (when the Prometheus Operator's CRD exists): applied like the other children,
 # and deleted when spec.metrics stops asking for one.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch", "delete"]
 # DynamoWorkerMetadata, the records the worker pods write: watched (kopf index) to fill
-# DynamoWorker status. get/create/patch/update/delete because the workers' Role grants them,
-# and RBAC lets the operator grant only what it holds itself (it has no escalate).
+# DynamoWorker status. get/create/patch/update/delete because the workers' Role grants them
+# (and list/watch the frontend's), and RBAC lets the operator grant only what it holds itself
+# (it has no escalate).
 - apiGroups: ["nvidia.com"]
   resources: ["dynamoworkermetadatas"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]

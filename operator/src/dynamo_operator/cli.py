@@ -45,11 +45,18 @@ def _parser() -> argparse.ArgumentParser:
         help="worker image for DynamoWorkers without spec.image (env DYNAMO_WORKER_IMAGE)",
     )
     run.add_argument(
+        "--frontend-image",
+        default=os.environ.get("DYNAMO_FRONTEND_IMAGE"),
+        help="upstream Dynamo frontend image for a spec.frontend without an image "
+        "(env DYNAMO_FRONTEND_IMAGE)",
+    )
+    run.add_argument(
         "--worker-image-pull-secret",
         action="append",
         dest="worker_image_pull_secrets",
         metavar="SECRET",
-        help="imagePullSecret of every worker pod, for a private registry (repeat for more)",
+        help="imagePullSecret of every worker and frontend pod, for a private registry "
+        "(repeat for more)",
     )
     run.add_argument(
         "--metrics-port",
@@ -86,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
             all_namespaces=args.all_namespaces,
             worker_image=args.worker_image,
             worker_image_pull_secrets=tuple(args.worker_image_pull_secrets or ()),
+            frontend_image=args.frontend_image,
             metrics_port=args.metrics_port,
             health_port=args.health_port,
             resync_seconds=args.resync_seconds,

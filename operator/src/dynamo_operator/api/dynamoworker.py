@@ -58,6 +58,9 @@ ENGINE_CLASS_PATTERN = f"^{_DOTTED_NAME}:{_DOTTED_NAME}$"
 TAINT_PATTERN = r"^[!-~]+$"
 Taint = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=TAINT_PATTERN)]
 PodMonitorMode = Literal["Auto", "Enabled", "Disabled"]
+# The router modes of upstream's frontend that need nothing beyond the workers themselves.
+RouterMode = Literal["round-robin", "random", "power-of-two", "least-loaded", "kv"]
+MAX_FRONTEND_REPLICAS = 64
 
 
 class ServedModel(ApiModel):
@@ -364,6 +367,56 @@ class Metrics(ApiModel):
     )
 
 
+class FrontendResources(ApiModel):
+    """Compute for each frontend pod (CPU only: the frontend tokenizes and routes)."""
+
+    cpu: Quantity | None = Field(default=None, description="CPU request per pod, e.g. 2 or 500m.")
+    memory: Quantity | None = Field(
+        default=None, description="Memory request and limit per pod, e.g. 4Gi."
+    )
+
+
+class Frontend(ApiModel):
+    """Upstream Dynamo's OpenAI frontend (`python3 -m dynamo.frontend`: HTTP API, tokenizer,
+    chat templates, KV-aware router) in front of this DynamoWorker's pods. It finds them
+    through Kubernetes discovery, scoped to this DynamoWorker, and is reached at the Service
+    `<name>-frontend` on port 8000."""
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="Frontend image (upstream Dynamo's, with the dynamo.frontend module); the "
+        "operator's configured frontend image when unset.",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy of the frontend container."
+    )
+    replicas: int = Field(
+        default=1, ge=0, le=MAX_FRONTEND_REPLICAS, description="Number of frontend pods."
+    )
+    router_mode: RouterMode = Field(
+        default="round-robin",
+        description="How the frontend picks a worker: round-robin, random, power-of-two, "
+        "least-loaded, or kv (KV-cache-aware, from the workers' KV events).",
+    )
+    command: list[Annotated[str, StringConstraints(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Command that starts the frontend; `python3 -m dynamo.frontend` when empty. "
+        "Set it when the image keeps its Python elsewhere.",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+    extra_args: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="More frontend flags, appended after the command, e.g. --migration-limit 3.",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+    resources: FrontendResources = defaulted(FrontendResources, "Compute for each frontend pod.")
+    pod: PodOverrides | None = Field(default=None, description="Additions to the frontend pods.")
+
+
 class DynamoWorkerSpec(ApiModel):
     """The desired state of a DynamoWorker."""
 
@@ -398,6 +451,10 @@ class DynamoWorkerSpec(ApiModel):
     )
     pod: PodOverrides | None = Field(default=None, description="Additions to the worker pods.")
     metrics: Metrics = defaulted(Metrics, "Metrics scraping.")
+    frontend: Frontend | None = Field(
+        default=None,
+        description="Deploy upstream Dynamo's frontend in front of the workers; none when unset.",
+    )
 
     cel_rules = (
         Rule(
@@ -467,6 +524,18 @@ class WorkerPodStatus(StatusModel):
     )
 
 
+class FrontendStatus(StatusModel):
+    """The frontend's pods and where clients reach it."""
+
+    replicas: int = Field(default=0, ge=0, le=MAX_STATUS_PODS, description="Frontend pods.")
+    ready_replicas: int = Field(
+        default=0, ge=0, le=MAX_STATUS_PODS, description="Ready frontend pods."
+    )
+    url: str = Field(
+        max_length=512, description="The OpenAI API's base URL inside the cluster (its Service)."
+    )
+
+
 class DynamoWorkerStatus(StatusModel):
     """The observed state of a DynamoWorker."""
 
@@ -493,6 +562,9 @@ class DynamoWorkerStatus(StatusModel):
         max_length=MAX_STATUS_PODS,
         description="Per pod: readiness, published token budget, taints, adapters and ranks.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    frontend: FrontendStatus | None = Field(
+        default=None, description="The frontend, when spec.frontend is set."
     )
 
 

@@ -54,18 +54,18 @@ class Toleration(ApiModel):
         Rule(
             rule="!has(self.operator) || self.operator != 'Exists' || !has(self.value)"
             " || self.value == ''",
-            message="spec.pod.tolerations[].value must be empty when operator is Exists",
+            message="tolerations[].value must be empty when operator is Exists",
             check=lambda t: t.operator != "Exists" or not t.value,
         ),
         Rule(
             rule="(has(self.key) && self.key != '')"
             " || (has(self.operator) && self.operator == 'Exists')",
-            message="spec.pod.tolerations[]: an empty key needs operator: Exists",
+            message="tolerations[]: an empty key needs operator: Exists",
             check=lambda t: bool(t.key) or t.operator == "Exists",
         ),
         Rule(
             rule="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-            message="spec.pod.tolerations[].tolerationSeconds needs effect: NoExecute",
+            message="tolerations[].tolerationSeconds needs effect: NoExecute",
             check=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
         ),
     )
@@ -127,7 +127,7 @@ class EnvVarSource(ApiModel):
         Rule(
             rule="[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef),"
             " has(self.resourceFieldRef)].filter(x, x).size() == 1",
-            message="spec.pod.env[].valueFrom: set exactly one of secretKeyRef, configMapKeyRef,"
+            message="env[].valueFrom: set exactly one of secretKeyRef, configMapKeyRef,"
             " fieldRef or resourceFieldRef",
             check=lambda s: (
                 [
@@ -154,7 +154,7 @@ class EnvVar(ApiModel):
     cel_rules = (
         Rule(
             rule="!(has(self.value) && has(self.valueFrom))",
-            message="spec.pod.env[]: set value or valueFrom, not both",
+            message="env[]: set value or valueFrom, not both",
             check=lambda e: e.value is None or e.value_from is None,
         ),
     )
@@ -164,7 +164,7 @@ def _no_reserved_keys(field: str) -> Rule:
     prefixes = " || ".join(f"k.startsWith('{p}')" for p in RESERVED_LABEL_PREFIXES)
     return Rule(
         rule=f"!has(self.{field}) || self.{field}.all(k, !({prefixes}))",
-        message=f"spec.pod.{field}: keys under dynamo.dev/ and nvidia.com/dynamo- are set by the"
+        message=f"{field}: keys under dynamo.dev/ and nvidia.com/dynamo- are set by the"
         " operator; use another prefix",
         check=lambda p: (
             not any(key.startswith(RESERVED_LABEL_PREFIXES) for key in getattr(p, field))
@@ -174,8 +174,10 @@ def _no_reserved_keys(field: str) -> Rule:
 
 
 class PodOverrides(ApiModel):
-    """Additions to the worker pods. The operator's own settings (probes, ports, security
-    context, its labels and env) are not overridable here."""
+    """Additions to the pods (spec.pod: the worker pods; spec.frontend.pod: the frontend pods).
+    The operator's own settings (probes, ports, security context, its labels and env) are not
+    overridable here. Messages name the field relative to the pod block: the API server
+    prefixes the full path."""
 
     node_selector: dict[str, LabelValue] = Field(
         default_factory=dict, max_length=32, description="Node labels the pods must land on."
@@ -204,7 +206,7 @@ class PodOverrides(ApiModel):
     env: list[EnvVar] = Field(
         default_factory=list,
         max_length=64,
-        description="Extra environment variables of the worker container.",
+        description="Extra environment variables of the main container.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
 
@@ -217,5 +219,5 @@ class PodOverrides(ApiModel):
         names = [e.name for e in env]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"spec.pod.env: duplicate names {duplicates}")
+            raise ValueError(f"env: duplicate names {duplicates}")
         return env

@@ -55,6 +55,7 @@ class OperatorConfig:
     all_namespaces: bool = False
     worker_image: str | None = None
     worker_image_pull_secrets: tuple[str, ...] = ()
+    frontend_image: str | None = None
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 8080
     health_host: str = "0.0.0.0"
@@ -139,6 +140,7 @@ class OperatorContext:
             ReconcileSettings(
                 worker_image=self.config.worker_image,
                 worker_image_pull_secrets=self.config.worker_image_pull_secrets,
+                frontend_image=self.config.frontend_image,
             ),
             taints,
             reporting_instance=socket.gethostname(),

@@ -10,14 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from dynamo_operator.api import metadata as dwm
-from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerSpec
+from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerSpec, Frontend
+from dynamo_operator.api.pod import PodOverrides
 from dynamo_operator.reconcile import interface as wi
 from dynamo_operator.reconcile.errors import SpecError
-from dynamo_operator.reconcile.interface import Env
+from dynamo_operator.reconcile.interface import Env, FrontendEnv
 from dynamo_operator.reconcile.labels import (
     DISCOVERY_LABELS,
     common_labels,
     deployment_name,
+    frontend_labels,
+    frontend_name,
+    frontend_selector_labels,
     owner_reference,
     pdb_name,
     pod_monitor_name,
@@ -39,6 +43,7 @@ PROGRESS_DEADLINE_SECONDS = wi.STARTUP_BUDGET_SECONDS + 600
 REVISION_HISTORY_LIMIT = 3
 WORKER_ROLE_VERBS = ["get", "create", "patch", "update", "delete"]
 VOLUME_SHM, VOLUME_TMP, VOLUME_CACHE, VOLUME_LORA = "shm", "tmp", "cache", "lora-cache"
+FRONTEND_COMPONENT = {"app.kubernetes.io/component": "frontend"}
 
 
 def _identity(dw: DynamoWorker) -> tuple[str, str, str]:
@@ -90,6 +95,7 @@ def _worker_env(dw: DynamoWorker) -> list[Manifest]:
         (Env.SYSTEM_PORT, str(wi.SYSTEM_PORT)),
         (Env.HTTP_PORT, str(wi.HTTP_PORT)),
         (Env.DISCOVERY_BACKEND, wi.DISCOVERY_BACKEND),
+        (Env.REQUEST_PLANE, wi.REQUEST_PLANE),
         (Env.LORA_ENABLED, "true" if spec.lora.enabled else "false"),
     ]
     max_loras = spec.lora.effective_max_loras
@@ -109,10 +115,7 @@ def _worker_env(dw: DynamoWorker) -> list[Manifest]:
         ]
     plain += [(Env.HOME, wi.TMP_PATH), (Env.HF_HOME, wi.HF_HOME_PATH)]
     env: list[Manifest] = [{"name": str(name), "value": value} for name, value in plain]
-    env += [
-        {"name": str(name), "valueFrom": {"fieldRef": {"fieldPath": path}}}
-        for name, path in wi.DOWNWARD_ENV.items()
-    ]
+    env += _downward_env()
     env += _credential_env(spec)
     return env
 
@@ -150,16 +153,52 @@ def _credential_env(spec: DynamoWorkerSpec) -> list[Manifest]:
     return env
 
 
-def _user_env(spec: DynamoWorkerSpec, reserved: set[str]) -> list[Manifest]:
-    if spec.pod is None:
+def _user_env(overrides: PodOverrides | None, field: str, reserved: set[str]) -> list[Manifest]:
+    """The env of `overrides` (at `field`, e.g. spec.pod), refusing names the operator sets."""
+    if overrides is None:
         return []
-    clashes = sorted(e.name for e in spec.pod.env if e.name in reserved)
+    clashes = sorted(e.name for e in overrides.env if e.name in reserved)
     if clashes:
         raise SpecError(
-            f"spec.pod.env sets {', '.join(clashes)}, which the operator sets from the spec; "
+            f"{field}.env sets {', '.join(clashes)}, which the operator sets from the spec; "
             "remove them (use the matching spec field instead)"
         )
-    return [e.to_dict() for e in spec.pod.env]
+    return [e.to_dict() for e in overrides.env]
+
+
+def _scheduling(overrides: PodOverrides | None) -> Manifest:
+    """The pod-spec fields a pod block may add: node selector, tolerations, affinity, priority."""
+    if overrides is None:
+        return {}
+    out: Manifest = {}
+    if overrides.node_selector:
+        out["nodeSelector"] = dict(overrides.node_selector)
+    if overrides.tolerations:
+        out["tolerations"] = [t.to_dict() for t in overrides.tolerations]
+    if overrides.affinity:
+        out["affinity"] = overrides.affinity
+    if overrides.priority_class_name:
+        out["priorityClassName"] = overrides.priority_class_name
+    return out
+
+
+def _pod_metadata(
+    overrides: PodOverrides | None, labels: Manifest, annotations: Manifest
+) -> Manifest:
+    """Template metadata: the pod block's labels and annotations under the operator's own."""
+    pod_labels = {**(overrides.labels if overrides else {}), **labels}
+    pod_annotations = {**(overrides.annotations if overrides else {}), **annotations}
+    metadata: Manifest = {"labels": pod_labels}
+    if pod_annotations:
+        metadata["annotations"] = pod_annotations
+    return metadata
+
+
+def _downward_env() -> list[Manifest]:
+    return [
+        {"name": str(name), "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in wi.DOWNWARD_ENV.items()
+    ]
 
 
 def _resources(spec: DynamoWorkerSpec) -> Manifest:
@@ -252,7 +291,7 @@ def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifes
     worker, _, _ = _identity(dw)
     spec = dw.spec
     env = _worker_env(dw)
-    env += _user_env(spec, {e["name"] for e in env})
+    env += _user_env(spec.pod, "spec.pod", {e["name"] for e in env})
     volumes, mounts = _volumes(spec)
     container: Manifest = {
         "name": wi.CONTAINER_NAME,
@@ -286,23 +325,10 @@ def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifes
     }
     if settings.worker_image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
-    pod_labels = dict(spec.pod.labels) if spec.pod else {}
-    pod_annotations = dict(spec.pod.annotations) if spec.pod else {}
-    pod_labels.update({**common_labels(worker), **DISCOVERY_LABELS})
-    pod_annotations.update(_scrape_annotations(spec, settings))
-    if spec.pod is not None:
-        overrides = spec.pod
-        if overrides.node_selector:
-            pod_spec["nodeSelector"] = dict(overrides.node_selector)
-        if overrides.tolerations:
-            pod_spec["tolerations"] = [t.to_dict() for t in overrides.tolerations]
-        if overrides.affinity:
-            pod_spec["affinity"] = overrides.affinity
-        if overrides.priority_class_name:
-            pod_spec["priorityClassName"] = overrides.priority_class_name
-    template_metadata: Manifest = {"labels": pod_labels}
-    if pod_annotations:
-        template_metadata["annotations"] = pod_annotations
+    pod_spec.update(_scheduling(spec.pod))
+    template_metadata = _pod_metadata(
+        spec.pod, {**common_labels(worker), **DISCOVERY_LABELS}, _scrape_annotations(spec, settings)
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -371,46 +397,49 @@ def desired_pdb(dw: DynamoWorker) -> Manifest:
     }
 
 
+def _service_account(dw: DynamoWorker, name: str, labels: Manifest | None = None) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(dw, name, labels)}
+
+
+def _role(
+    dw: DynamoWorker, name: str, rules: list[Manifest], labels: Manifest | None = None
+) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(dw, name, labels),
+        "rules": rules,
+    }
+
+
+def _role_binding(dw: DynamoWorker, name: str, labels: Manifest | None = None) -> Manifest:
+    """Grants the Role `name` to the ServiceAccount `name`."""
+    _, namespace, _ = _identity(dw)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(dw, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+
+
 def desired_service_account(dw: DynamoWorker) -> Manifest:
     """The worker pods' identity."""
-    worker, _, _ = _identity(dw)
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _metadata(dw, service_account_name(worker)),
-    }
+    return _service_account(dw, service_account_name(_identity(dw)[0]))
 
 
 def desired_role(dw: DynamoWorker) -> Manifest:
     """What a worker does with the API: write its own DynamoWorkerMetadata, nothing else.
     (A Role cannot name objects that do not exist yet for `create`, so the rule covers the
     kind in the namespace.)"""
-    worker, _, _ = _identity(dw)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _metadata(dw, service_account_name(worker)),
-        "rules": [
-            {
-                "apiGroups": [dwm.GROUP],
-                "resources": [dwm.PLURAL],
-                "verbs": list(WORKER_ROLE_VERBS),
-            }
-        ],
-    }
+    rule = {"apiGroups": [dwm.GROUP], "resources": [dwm.PLURAL], "verbs": list(WORKER_ROLE_VERBS)}
+    return _role(dw, service_account_name(_identity(dw)[0]), [rule])
 
 
 def desired_role_binding(dw: DynamoWorker) -> Manifest:
     """Grants the Role to the worker ServiceAccount."""
-    worker, namespace, _ = _identity(dw)
-    name = service_account_name(worker)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _metadata(dw, name),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-    }
+    return _role_binding(dw, service_account_name(_identity(dw)[0]))
 
 
 def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
@@ -427,9 +456,171 @@ def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
     }
 
 
+# What upstream's frontend reads from the API (its Kubernetes discovery): the EndpointSlices
+# that say which worker pods are ready, and the DynamoWorkerMetadata records they publish.
+FRONTEND_ROLE_RULES: list[Manifest] = [
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["list", "watch"],
+    },
+    {"apiGroups": [dwm.GROUP], "resources": [dwm.PLURAL], "verbs": ["list", "watch"]},
+]
+
+
+def frontend_image(frontend: Frontend, settings: ReconcileSettings) -> str:
+    """spec.frontend.image, else the operator's default frontend image."""
+    image = frontend.image or settings.frontend_image
+    if not image:
+        raise SpecError(
+            "spec.frontend.image is unset and the operator has no default frontend image; set "
+            "spec.frontend.image or run the operator with --frontend-image"
+        )
+    return image
+
+
+def frontend_url(dw: DynamoWorker) -> str:
+    """The frontend's OpenAI base URL inside the cluster (its Service's DNS name)."""
+    worker, namespace, _ = _identity(dw)
+    return f"http://{frontend_name(worker)}.{namespace}.svc:{wi.FRONTEND_PORT}"
+
+
+def _frontend_env(dw: DynamoWorker, frontend: Frontend) -> list[Manifest]:
+    worker, namespace, _ = _identity(dw)
+    plain: list[tuple[str, str]] = [
+        # Scopes discovery to this DynamoWorker's workers (their DYN_NAMESPACE).
+        (FrontendEnv.NAMESPACE, wi.dynamo_namespace(namespace, worker)),
+        (FrontendEnv.DISCOVERY_BACKEND, wi.DISCOVERY_BACKEND),
+        (FrontendEnv.REQUEST_PLANE, wi.REQUEST_PLANE),
+        (FrontendEnv.HTTP_PORT, str(wi.FRONTEND_PORT)),
+        (FrontendEnv.ROUTER_MODE, frontend.router_mode),
+        # The frontend caches model-card files under $HOME; the root filesystem is read-only.
+        (Env.HOME, wi.TMP_PATH),
+    ]
+    env: list[Manifest] = [{"name": str(name), "value": value} for name, value in plain]
+    return env + _downward_env()
+
+
+def _frontend_resources(frontend: Frontend) -> Manifest:
+    res = frontend.resources
+    out: Manifest = {}
+    if res.cpu is not None:
+        out.setdefault("requests", {})["cpu"] = _quantity(res.cpu)
+    if res.memory is not None:
+        out.setdefault("requests", {})["memory"] = _quantity(res.memory)
+        out["limits"] = {"memory": _quantity(res.memory)}
+    return out
+
+
+def desired_frontend_deployment(
+    dw: DynamoWorker, frontend: Frontend, settings: ReconcileSettings
+) -> Manifest:
+    """The Deployment of frontend pods (container `main` running upstream's frontend)."""
+    worker, _, _ = _identity(dw)
+    name = frontend_name(worker)
+    env = _frontend_env(dw, frontend)
+    env += _user_env(frontend.pod, "spec.frontend.pod", {e["name"] for e in env})
+    probe_port = {"port": wi.FRONTEND_PORT_NAME}
+    container: Manifest = {
+        "name": wi.CONTAINER_NAME,
+        "image": frontend_image(frontend, settings),
+        "command": list(frontend.command or wi.FRONTEND_COMMAND),
+        "ports": [
+            {"name": wi.FRONTEND_PORT_NAME, "containerPort": wi.FRONTEND_PORT, "protocol": "TCP"}
+        ],
+        "env": env,
+        "livenessProbe": {
+            "httpGet": {"path": wi.LIVE_PATH, **probe_port},
+            **wi.FRONTEND_LIVENESS,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": wi.HEALTH_PATH, **probe_port},
+            **wi.FRONTEND_READINESS,
+        },
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+        "volumeMounts": [{"name": VOLUME_TMP, "mountPath": wi.TMP_PATH}],
+    }
+    if frontend.extra_args:
+        container["args"] = list(frontend.extra_args)
+    resources = _frontend_resources(frontend)
+    if resources:
+        container["resources"] = resources
+    if frontend.image_pull_policy is not None:
+        container["imagePullPolicy"] = frontend.image_pull_policy
+    pod_spec: Manifest = {
+        "serviceAccountName": name,
+        # The frontend watches EndpointSlices and DynamoWorkerMetadata with its token.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "containers": [container],
+        "volumes": [{"name": VOLUME_TMP, "emptyDir": {}}],
+        **_scheduling(frontend.pod),
+    }
+    if settings.worker_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(dw, name, FRONTEND_COMPONENT),
+        "spec": {
+            "replicas": frontend.replicas,
+            "selector": {"matchLabels": frontend_selector_labels(worker)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
+            "template": {
+                "metadata": _pod_metadata(frontend.pod, frontend_labels(worker), {}),
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def desired_frontend_service(dw: DynamoWorker) -> Manifest:
+    """The frontend's ClusterIP Service: the address clients (or an Ingress) use."""
+    worker, _, _ = _identity(dw)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(dw, frontend_name(worker), FRONTEND_COMPONENT),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": frontend_selector_labels(worker),
+            "ports": [
+                {
+                    "name": wi.FRONTEND_PORT_NAME,
+                    "port": wi.FRONTEND_PORT,
+                    "targetPort": wi.FRONTEND_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def desired_frontend_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Manifest]:
+    """The frontend's children in apply order (none when spec.frontend is unset): its
+    identity and read-only discovery permissions, its Service, its Deployment."""
+    frontend = dw.spec.frontend
+    if frontend is None:
+        return []
+    name = frontend_name(_identity(dw)[0])
+    return [
+        _service_account(dw, name, FRONTEND_COMPONENT),
+        _role(dw, name, FRONTEND_ROLE_RULES, FRONTEND_COMPONENT),
+        _role_binding(dw, name, FRONTEND_COMPONENT),
+        desired_frontend_service(dw),
+        desired_frontend_deployment(dw, frontend, settings),
+    ]
+
+
 def desired_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Manifest]:
     """Every child the worker should have, in apply order: identity and permissions before
-    the pods that use them. The PodMonitor only when its CRD exists."""
+    the pods that use them. The PodMonitor only when its CRD exists; the frontend's children
+    last (when spec.frontend is set)."""
     children = [
         desired_service_account(dw),
         desired_role(dw),
@@ -440,4 +631,4 @@ def desired_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Mani
     ]
     if wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
         children.append(desired_pod_monitor(dw))
-    return children
+    return children + desired_frontend_children(dw, settings)

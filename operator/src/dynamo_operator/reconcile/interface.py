@@ -18,6 +18,9 @@ COMMAND = ["dynamo-worker"]
 # DYN_COMPONENT: upstream's operator sets the component's type; ours are all workers.
 COMPONENT = "worker"
 DISCOVERY_BACKEND = "kubernetes"
+# Upstream's request plane: the worker serves it beside its own HTTP routes, so upstream's
+# frontend (spec.frontend, or one a user runs) can route to every worker the operator makes.
+REQUEST_PLANE = "tcp"
 
 SYSTEM_PORT = 9090
 SYSTEM_PORT_NAME = "system"
@@ -70,6 +73,7 @@ class Env(StrEnum):
     SYSTEM_PORT = "DYN_SYSTEM_PORT"
     HTTP_PORT = "DYN_HTTP_PORT"
     DISCOVERY_BACKEND = "DYN_DISCOVERY_BACKEND"
+    REQUEST_PLANE = "DYN_REQUEST_PLANE"
     LORA_ENABLED = "DYN_LORA_ENABLED"
     LORA_PATH = "DYN_LORA_PATH"
     MAX_LORAS = "DYN_MAX_LORAS"
@@ -101,6 +105,27 @@ DOWNWARD_ENV = {
     Env.POD_UID: "metadata.uid",
     Env.POD_IP: "status.podIP",
 }
+
+
+# Upstream's frontend (spec.frontend): `python3 -m dynamo.frontend`, configured by env (each
+# flag has a DYN_* twin, so spec.frontend.extraArgs may still add flags). It serves the
+# OpenAI API, /health (200 once serving; 503 while draining) and /live on one port.
+FRONTEND_COMMAND = ["python3", "-m", "dynamo.frontend"]
+FRONTEND_PORT = 8000
+FRONTEND_PORT_NAME = "http"
+FRONTEND_LIVENESS = {"periodSeconds": 10, "timeoutSeconds": 4, "failureThreshold": 3}
+FRONTEND_READINESS = {"periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 3}
+
+
+class FrontendEnv(StrEnum):
+    """Environment variables upstream's frontend reads (each the twin of a flag; see
+    `python3 -m dynamo.frontend --help`)."""
+
+    NAMESPACE = "DYN_NAMESPACE"
+    DISCOVERY_BACKEND = "DYN_DISCOVERY_BACKEND"
+    REQUEST_PLANE = "DYN_REQUEST_PLANE"
+    HTTP_PORT = "DYN_HTTP_PORT"
+    ROUTER_MODE = "DYN_ROUTER_MODE"
 
 
 def system_url(ip: str, path: str) -> str:

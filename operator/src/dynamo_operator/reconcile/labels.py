@@ -37,6 +37,23 @@ def common_labels(worker: str) -> dict[str, str]:
     }
 
 
+FRONTEND_LABEL = f"{PREFIX}frontend"
+
+
+def frontend_labels(worker: str) -> dict[str, str]:
+    """Labels on the frontend's pods: the common ones, but never the worker label, so no worker
+    selector (the Deployment's, the Service's, the PDB's, the operator's pod index) takes a
+    frontend pod for a worker."""
+    labels = common_labels(worker)
+    del labels[WORKER_LABEL]
+    return {**labels, "app.kubernetes.io/component": "frontend", FRONTEND_LABEL: worker}
+
+
+def frontend_selector_labels(worker: str) -> dict[str, str]:
+    """The labels that select the frontend's pods (immutable, like the workers')."""
+    return {FRONTEND_LABEL: worker}
+
+
 def selector_labels(worker: str) -> dict[str, str]:
     """The labels that select the worker's pods. A Deployment's selector is immutable, so this
     stays one label that never changes for a given DynamoWorker."""
@@ -67,6 +84,11 @@ def pod_monitor_name(worker: str) -> str:
 def service_account_name(worker: str) -> str:
     """The worker pods' ServiceAccount; its Role and RoleBinding share the name."""
     return f"{worker}-worker"
+
+
+def frontend_name(worker: str) -> str:
+    """The frontend's Deployment, Service, ServiceAccount, Role and RoleBinding."""
+    return f"{worker}-frontend"
 
 
 def owner_reference(name: str, uid: str) -> dict[str, object]:

@@ -12,11 +12,13 @@ class ReconcileSettings:
 
     `worker_image` is used when a DynamoWorker sets no spec.image, and
     `worker_image_pull_secrets` (Secret names) are the worker pods' imagePullSecrets, for a
-    private registry. `pod_monitor_crd` says
+    private registry (the frontend pods' too). `frontend_image` is used when spec.frontend sets
+    no image. `pod_monitor_crd` says
     whether the Prometheus Operator's PodMonitor kind exists in the cluster (spec.metrics
     `Auto` then picks a PodMonitor over prometheus.io annotations).
     """
 
     worker_image: str | None = None
     worker_image_pull_secrets: tuple[str, ...] = ()
+    frontend_image: str | None = None
     pod_monitor_crd: bool = False

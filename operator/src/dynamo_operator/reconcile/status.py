@@ -1,7 +1,8 @@
 """Computing DynamoWorker.status from what was observed (pure).
 
 Conditions, per the Kubernetes API conventions:
-- `Ready`: every desired pod is ready (True with `AllReplicasReady` or `ScaledToZero`).
+- `Ready`: every desired pod is ready, and so is every frontend pod when spec.frontend is set
+  (True with `AllReplicasReady` or `ScaledToZero`).
 - `Progressing`: the Deployment is being created, rolled or scaled (False with
   `RolloutComplete` once every pod runs the current spec and is ready).
 - `Degraded`: something needs a person: a child the API server refused, pods that cannot be
@@ -26,10 +27,12 @@ from dynamo_operator.api.dynamoworker import (
     MAX_STATUS_PODS,
     DynamoWorker,
     DynamoWorkerStatus,
+    FrontendStatus,
     PublishedTokenBudget,
     WorkerPodStatus,
 )
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
+from dynamo_operator.reconcile.builders import frontend_url
 from dynamo_operator.reconcile.labels import deployment_name, selector_string
 from dynamo_operator.reconcile.observed import PodProblem, PodSummary
 
@@ -41,7 +44,8 @@ NAMED_PODS = 3
 class Observed:
     """Everything status is computed from.
 
-    `deployment` is the live Deployment (None: absent). `pods` are the worker's pods;
+    `deployment` is the live worker Deployment, `frontend_deployment` the frontend's (None:
+    absent). `pods` are the worker's pods;
     `metadata` their DynamoWorkerMetadata by pod name. `child_errors` are the API server's
     refusals of children (one line each, naming the child). `taint_failures` maps a pod name
     to why pushing spec.modelTaints to it failed. `pod_monitor_unavailable` is set when a
@@ -51,6 +55,7 @@ class Observed:
 
     now: datetime
     deployment: Mapping[str, Any] | None = None
+    frontend_deployment: Mapping[str, Any] | None = None
     pods: Sequence[PodSummary] = ()
     metadata: Mapping[str, DynamoWorkerMetadata] = field(default_factory=dict)
     child_errors: Sequence[str] = ()
@@ -113,7 +118,20 @@ def _deployment_condition(deployment: Mapping[str, Any] | None, type_: str) -> M
     return {}
 
 
-def _ready(desired: int, ready: int, observed: Observed) -> _Wanted:
+def _frontend_waiting(desired: int | None, observed: Observed) -> str | None:
+    """Why the frontend (spec.frontend, `desired` pods) is not serving yet; None when it is
+    or when there is none."""
+    if desired is None or desired == 0:
+        return None
+    if observed.frontend_deployment is None:
+        return "the frontend Deployment does not exist yet"
+    _, ready, _, _ = _deployment_counts(observed.frontend_deployment)
+    if ready < desired:
+        return f"{ready} of {desired} frontend pods are ready"
+    return None
+
+
+def _ready(desired: int, ready: int, frontend_desired: int | None, observed: Observed) -> _Wanted:
     t = ConditionType.READY
     if observed.spec_error is not None:
         return _Wanted(t, "False", "InvalidSpec", observed.spec_error)
@@ -136,6 +154,9 @@ def _ready(desired: int, ready: int, observed: Observed) -> _Wanted:
             t, "True", "ScaledToZero", "spec.replicas is 0: no worker pods run; scale up to serve"
         )
     if ready >= desired:
+        frontend = _frontend_waiting(frontend_desired, observed)
+        if frontend is not None:
+            return _Wanted(t, "False", "WaitingForFrontend", f"{frontend}; see status.frontend")
         return _Wanted(t, "True", "AllReplicasReady", f"{ready} of {desired} pods are ready")
     hint = (
         "; see the Degraded condition"
@@ -293,12 +314,13 @@ def compute_status(dw: DynamoWorker, observed: Observed) -> dict[str, Any]:
     name = dw.metadata.name or ""
     generation = dw.metadata.generation or 0
     desired = dw.spec.replicas
+    frontend = dw.spec.frontend
     counts = _deployment_counts(observed.deployment)
     total, ready, updated, _ = counts
     live = [p for p in observed.pods if not p.terminating]
     pods = sorted(live, key=lambda p: p.name)[:MAX_STATUS_PODS]
     wanted = [
-        _ready(desired, ready, observed),
+        _ready(desired, ready, frontend.replicas if frontend else None, observed),
         _progressing(name, generation, desired, counts, observed),
         _degraded(observed, pods),
     ]
@@ -312,8 +334,18 @@ def compute_status(dw: DynamoWorker, observed: Observed) -> dict[str, Any]:
         selector=selector_string(name),
         conditions=conditions,
         pods=[_pod_status(p, observed.metadata.get(p.name)) for p in pods],
+        frontend=_frontend_status(dw, observed) if frontend is not None else None,
     )
     return status.to_dict()
+
+
+def _frontend_status(dw: DynamoWorker, observed: Observed) -> FrontendStatus:
+    total, ready, _, _ = _deployment_counts(observed.frontend_deployment)
+    return FrontendStatus(
+        replicas=min(total, MAX_STATUS_PODS),
+        ready_replicas=min(ready, MAX_STATUS_PODS),
+        url=frontend_url(dw),
+    )
 
 
 def normalized_status(raw: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from dynamo_operator.reconcile.builders import (
 from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
 from dynamo_operator.reconcile.errors import ReconcileError, SpecError
 from dynamo_operator.reconcile.events import event_manifest, transitions
-from dynamo_operator.reconcile.labels import pod_monitor_name
+from dynamo_operator.reconcile.labels import deployment_name, frontend_name, pod_monitor_name
 from dynamo_operator.reconcile.observed import PodSummary
 from dynamo_operator.reconcile.settings import ReconcileSettings
 from dynamo_operator.reconcile.status import Observed, compute_status, normalized_status
@@ -44,6 +44,14 @@ from dynamo_operator.reconcile.taints import TaintPusher
 logger = logging.getLogger(__name__)
 
 CRD_CHECK_INTERVAL_SECONDS = 60.0
+# The kinds of the frontend's children, in deletion order (see `desired_frontend_children`).
+FRONTEND_KINDS = (
+    kinds.DEPLOYMENT,
+    kinds.SERVICE,
+    kinds.ROLE_BINDING,
+    kinds.ROLE,
+    kinds.SERVICE_ACCOUNT,
+)
 
 
 class TransientError(ReconcileError):
@@ -162,7 +170,7 @@ class WorkerReconciler:
         child_errors: list[str] = []
         applied: list[str] = []
         transient: list[str] = []
-        deployment: dict[str, Any] | None = None
+        deployments: dict[str, dict[str, Any] | None] = {}
         for manifest, result in zip(desired, results, strict=True):
             what = f"{manifest['kind']} {manifest['metadata']['name']}"
             if result.error is not None:
@@ -172,7 +180,7 @@ class WorkerReconciler:
             if result.applied:
                 applied.append(what)
             if manifest["kind"] == "Deployment":
-                deployment = result.live
+                deployments[manifest["metadata"]["name"]] = result.live
         if full:
             await self._remove_unwanted(dw, settings)
 
@@ -181,9 +189,11 @@ class WorkerReconciler:
             failures = self.taints.sync(
                 dw.metadata.namespace, dw.metadata.name, dw.spec.model_taints, pods, metadata
             )
+        worker = dw.metadata.name or ""
         observed = Observed(
             now=self.clock(),
-            deployment=deployment,
+            deployment=deployments.get(deployment_name(worker)),
+            frontend_deployment=deployments.get(frontend_name(worker)),
             pods=pods,
             metadata=metadata,
             child_errors=child_errors,
@@ -238,17 +248,23 @@ class WorkerReconciler:
             return _ChildResult(live, error=err)
 
     async def _remove_unwanted(self, dw: DynamoWorker, settings: ReconcileSettings) -> None:
-        """Delete the PodMonitor this worker owns when it no longer wants one."""
-        if not settings.pod_monitor_crd or wants_pod_monitor(dw.spec, settings):
-            return
+        """Delete children this worker owns and no longer wants: the PodMonitor when
+        spec.metrics stops asking for one, the frontend's children when spec.frontend goes."""
         name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
         if not (name and namespace and uid):
             return
-        live = await self.cluster.get(kinds.POD_MONITOR, namespace, pod_monitor_name(name))
-        if live is not None and _owned_by(live, uid):
-            await self.cluster.delete(
-                kinds.POD_MONITOR, namespace, pod_monitor_name(name), live["metadata"]["uid"]
-            )
+        unwanted: list[tuple[kinds.Kind, str]] = []
+        if settings.pod_monitor_crd and not wants_pod_monitor(dw.spec, settings):
+            unwanted.append((kinds.POD_MONITOR, pod_monitor_name(name)))
+        if dw.spec.frontend is None and dw.status is not None and dw.status.frontend is not None:
+            # status.frontend says a frontend was made (and stays until these deletes are
+            # done), so a worker that never had one costs no reads here. Pods first: the
+            # Deployment goes before the identity its pods use.
+            unwanted += [(kind, frontend_name(name)) for kind in FRONTEND_KINDS]
+        for kind, child in unwanted:
+            live = await self.cluster.get(kind, namespace, child)
+            if live is not None and _owned_by(live, uid):
+                await self.cluster.delete(kind, namespace, child, live["metadata"]["uid"])
 
     async def _invalid(
         self, meta: Mapping[str, Any], raw_status: Mapping[str, Any], message: str

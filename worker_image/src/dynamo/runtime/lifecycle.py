@@ -12,6 +12,7 @@ grace period, drain every mode, cleanup exactly once, exit 0 (911 past the hard 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dynamo.common.backend import BaseEngine, EngineConfig, LLMEngine, RawEngine, WorkerConfig
@@ -28,11 +30,12 @@ from dynamo.common.backend.publisher import PushSource
 from dynamo.common.constants import DisaggregationMode
 from dynamo.common.model_taints import MODEL_TAINT_ROUTE, make_model_taint_handler
 from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
-from dynamo.runtime import advertise
+from dynamo.runtime import advertise, card_files
 from dynamo.runtime.adapters import EngineUpdates
 from dynamo.runtime.admin import RUNNING, AdminRoutes, EngineRoutes, Lifecycle
 from dynamo.runtime.budget import budget_from_runtime_data
 from dynamo.runtime.canary import Canary
+from dynamo.runtime.discovery import records
 from dynamo.runtime.discovery.base import DiscoveryBackend, WorkerAdvertisement
 from dynamo.runtime.endpoint import Endpoint
 from dynamo.runtime.event_plane import EventPlane
@@ -225,6 +228,7 @@ class WorkerRuntime:
             health_path=settings.health_path,
             live_path=settings.live_path,
             lora_enabled=settings.lora_enabled,
+            card_files=self._card_file_paths,
         )
         self.system_port = await self.system_server.start(
             settings.system_host, settings.system_port
@@ -318,8 +322,16 @@ class WorkerRuntime:
         tcp_address = None
         if settings.request_plane == "tcp":
             tcp_address = await self._start_tcp_plane(models, runtime_data)
+        card_file_base_url = card_files.card_file_base_url(
+            config.discovery_backend, settings.system_host, self.system_port, self._environ
+        )
         self._serving = _Serving(
-            engine_config, runtime_data, updates, f"http://{host}:{self.http_port}", tcp_address
+            engine_config,
+            runtime_data,
+            updates,
+            f"http://{host}:{self.http_port}",
+            tcp_address,
+            card_file_base_url,
         )
         endpoint = Endpoint(
             namespace=config.namespace,
@@ -448,7 +460,7 @@ class WorkerRuntime:
         if serving is None:
             raise RuntimeError("the worker is not serving yet: nothing to advertise")
         lora_host = getattr(self.engine, "lora_host", None)
-        return advertise.build_advertisement(
+        advertisement = advertise.build_advertisement(
             self.config,
             serving.engine_config,
             instance_id=self.instance_id,
@@ -460,6 +472,13 @@ class WorkerRuntime:
             tcp_address=serving.tcp_address,
             event_channels=self.event_plane.advertised() if self.event_plane else (),
         )
+        return dataclasses.replace(advertisement, card_file_base_url=serving.card_file_base_url)
+
+    async def _card_file_paths(self) -> dict[card_files.CardFileKey, Path]:
+        """The system server's card-file allow-list: what the current cards name."""
+        if self._serving is None:
+            return {}
+        return await asyncio.to_thread(records.card_file_paths, self.advertisement())
 
     async def _register(self) -> None:
         await self.discovery.register(self.advertisement())
@@ -484,3 +503,4 @@ class _Serving:
     updates: EngineUpdates
     http_url: str
     tcp_address: str | None = None
+    card_file_base_url: str | None = None  # cards name files by URL here (card_files.py)

@@ -10,19 +10,26 @@ Routes, with upstream's codes and bodies:
   `{"error": "Invalid JSON", ...}`; an unknown path 404 `{"error": "Route not found", ...}`;
   a callback exception 500 `{"error": "Handler error", ...}`; else 200 with the answer;
 * `/v1/loras` when LoRA management is enabled (see `loras.py`);
+* `GET /v1/metadata/{namespace}/{component}/{endpoint}/{model_slug}/{model_suffix}/{filename}`:
+  a file the published model cards name (see `card_files.py`), its raw bytes; a path not in
+  the cards' allow-list is 404 `Not found`, a listed file that cannot be read 500
+  `Failed to read file`;
 * anything else: 404 `Route not found`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from dynamo.runtime.admin import EngineRoutes
+from dynamo.runtime.card_files import ROUTE_PREFIX, CardFileKey
 from dynamo.runtime.health import HealthState
 from dynamo.runtime.loras import LoraRoutes
 from dynamo.runtime.metrics import RuntimeMetrics
@@ -43,6 +50,18 @@ def json_response(body: Any, status: int = 200) -> web.Response:
 
 
 MetadataSource = Callable[[], dict[str, Any] | None]
+# The allow-list of card files (see card_files.allow_list), asked per request so that it
+# follows the cards as adapters come and go.
+CardFileSource = Callable[[], Awaitable[Mapping[CardFileKey, Path]]]
+# Segment names as CardFileKey's fields. The file name takes the rest of the path, as
+# upstream's `{*filename}` does (one with a '/' then simply matches no key).
+CARD_FILE_ROUTE = (
+    ROUTE_PREFIX + "/{namespace}/{component}/{endpoint}/{model_slug}/{model_suffix}/{filename:.+}"
+)
+
+
+async def _no_card_files() -> Mapping[CardFileKey, Path]:
+    return {}
 
 
 class SystemServer:
@@ -58,6 +77,7 @@ class SystemServer:
         health_path: str = "/health",
         live_path: str = "/live",
         lora_enabled: bool = False,
+        card_files: CardFileSource = _no_card_files,
     ) -> None:
         self._health = health
         self._metrics = metrics
@@ -66,6 +86,7 @@ class SystemServer:
         self._health_path = health_path
         self._live_path = live_path
         self._lora_enabled = lora_enabled
+        self._card_files = card_files
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -77,6 +98,7 @@ class SystemServer:
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/metadata", self._metadata_handler)
         app.router.add_route("*", "/engine/{path:.*}", self._engine_handler)
+        app.router.add_get(CARD_FILE_ROUTE, self._card_file_handler)
         if self._lora_enabled:
             LoraRoutes(self._routes).add_to(app)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
@@ -119,6 +141,19 @@ class SystemServer:
         if metadata is None:
             return web.Response(text="Discovery metadata not available", status=404)
         return json_response(metadata)
+
+    async def _card_file_handler(self, request: web.Request) -> web.Response:
+        key = CardFileKey(*(request.match_info[name] for name in CardFileKey._fields))
+        # Only an exact key of the allow-list names a file: the URL is never a path.
+        path = (await self._card_files()).get(key)
+        if path is None:
+            return web.Response(text="Not found", status=404)
+        try:
+            body = await asyncio.to_thread(path.read_bytes)
+        except OSError:
+            logger.exception("reading model-card file %s failed", path)
+            return web.Response(text="Failed to read file", status=500)
+        return web.Response(body=body, content_type="application/octet-stream")
 
     async def _engine_handler(self, request: web.Request) -> web.Response:
         path = request.match_info["path"]

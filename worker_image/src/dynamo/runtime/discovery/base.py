@@ -58,7 +58,9 @@ class WorkerAdvertisement:
     total_kv_blocks, max_num_seqs, max_num_batched_tokens, data_parallel_size,
     data_parallel_start_rank, runtime_data, taints, max_gpu_lora_count). `model_type`,
     `model_input`, `worker_type` and `kv_cache_block_size` are the card fields of the same
-    names (upstream's spellings, e.g. "Chat | Completions").
+    names (upstream's spellings, e.g. "Chat | Completions"). `card_file_base_url`
+    (`http://host:port` of the system server) makes the cards name their files by URL
+    instead of local path (see `dynamo.runtime.card_files`).
     """
 
     address: EndpointAddress
@@ -75,6 +77,7 @@ class WorkerAdvertisement:
     kv_cache_block_size: int = 16
     request_plane_codec: str | None = None
     event_channels: tuple[EventChannelAd, ...] = ()
+    card_file_base_url: str | None = None
 
 
 class DiscoveryBackend(Protocol):

@@ -7,6 +7,8 @@ Service: an instance is routable while its pod is Ready in such a slice and its 
 object, named after its pod (field manager `dynamo-worker`, forced), owned by the pod
 (`controller: true`, `blockOwnerDeletion: false`) so the garbage collector deletes it with the
 pod. The instance id is derived from that name (see `records.kubernetes_instance_id`).
+The frontend runs in another pod, so the model cards name their files by `http://` URL on
+this worker's system server rather than by local path (the worker decides; `card_files.py`).
 
 Unregistering applies `spec.data` with an empty `endpoints` map and keeps the model cards:
 upstream's readers drop the instance at once while the pod drains (its readiness may lag),

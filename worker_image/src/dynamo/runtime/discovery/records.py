@@ -8,7 +8,8 @@ Upstream components (the Rust frontend and routers of ai-dynamo 1.6.1) find work
 * `Endpoint`: where the instance serves requests (`transport`), keyed in `v1/instances`.
 * `Model`: the model deployment card (`card_json`) the frontend reads to list and serve a
   model, keyed in `v1/mdc`; a LoRA adapter gets its own card under `<key>/<adapter slug>`
-  with `model_suffix` set to that slug.
+  with `model_suffix` set to that slug. Its files are named by local path, or by URL on the
+  system server when the advertisement says so (`card_files`).
 
 The field names, their order and the defaults below follow what upstream's 1.6.1 worker was
 observed to write (file and Kubernetes backends alike). Everything here is pure except
@@ -28,6 +29,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from dynamo.runtime.card_files import CardFileKey, allow_list, with_urls
 from dynamo.runtime.discovery.base import (
     AdapterCard,
     EndpointAddress,
@@ -241,7 +243,8 @@ def discovery_metadata(
     adv: WorkerAdvertisement, files: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Upstream's `DiscoveryMetadata` for this worker: its endpoint and one card per model
-    (the base, then each adapter), and its event channels (with a source per KV-events one)."""
+    (the base, then each adapter), and its event channels (with a source per KV-events one).
+    The cards name their files by URL under `adv.card_file_base_url` when it is set."""
     key = instance_key(adv.address, adv.instance_id)
     cards: dict[str, Any] = {key: model_record(adv, model_card(adv, files))}
     for adapter in adv.adapters:
@@ -260,12 +263,15 @@ def discovery_metadata(
         channels[ekey] = event_channel_record(adv, channel)
         if channel.dp_rank is not None:
             sources[ekey] = event_source_record(adv, channel)
-    return {
+    metadata = {
         ENDPOINTS: {key: endpoint_record(adv)},
         MODEL_CARDS: cards,
         EVENT_CHANNELS: channels,
         EVENT_SOURCES: sources,
     }
+    if adv.card_file_base_url:
+        return with_urls(metadata, adv.card_file_base_url)
+    return metadata
 
 
 def encode_event_segment(segment: str) -> str:
@@ -341,6 +347,13 @@ async def build_metadata(adv: WorkerAdvertisement) -> dict[str, Any]:
     return await asyncio.to_thread(metadata_for, adv)
 
 
+def card_file_paths(adv: WorkerAdvertisement) -> dict[CardFileKey, Path]:
+    """The system server's allow-list for `adv`: the local file behind each file its cards
+    name, by the key of the URL it is (or would be) published under."""
+    local = dataclasses.replace(adv, card_file_base_url=None)
+    return allow_list(metadata_for(local))
+
+
 def without_taints(card_record: Mapping[str, Any]) -> dict[str, Any]:
     """A Model record minus `card_json.runtime_config.taints`: two records that compare equal
     this way differ at most in taints, the one card field upstream lets change in place."""
@@ -354,7 +367,8 @@ def model_files(model: str) -> dict[str, Any]:
 
     Each entry is upstream's CheckedFile, `{"path": <absolute path>, "checksum":
     "blake3:<hex>", "size": <bytes>}`: a frontend on the same filesystem reads and verifies the
-    file. Cached per (file, size, mtime), so re-publishing after an adapter change is cheap.
+    file (`card_files.with_urls` turns the paths into system-server URLs for the others).
+    Cached per (file, size, mtime), so re-publishing after an adapter change is cheap.
     """
     root = Path(model)
     if not root.is_dir():
