@@ -3,8 +3,9 @@
 `up` starts the test bed, installs the chart (the operator runs as a pod on the process node,
 authenticated by its own ServiceAccount token), starts an S3-compatible server holding two
 adapters made by hack/make-tiny-model, applies a DynamoWorker (2 worker pods running the
-tiny Llama on the CPU) and two LoRAAdapters, waits with visible progress, then shows what
-runs and asks the workers for chat completions from the base model and each adapter.
+tiny Llama on the CPU, and upstream Dynamo's own frontend in front of them: spec.frontend)
+and two LoRAAdapters, waits with visible progress, then shows what runs and asks the workers,
+then the frontend's Service, for chat completions from the base model and each adapter.
 `down` stops everything and leaves no process, namespace or route behind.
 """
 
@@ -33,6 +34,8 @@ BUCKET = "demo-adapters"
 ADAPTERS = ("sql-lora", "poet-lora")
 # Demo-only credentials for the demo's own S3 server; a real cluster references its own Secret.
 S3_KEY_ID, S3_SECRET = "demo-access-key", "demo-secret-key"
+# Any upstream image holding dynamo.frontend; the process node runs the command instead.
+FRONTEND_IMAGE = "nvcr.io/nvidia/ai-dynamo/vllm-runtime:1.6.1"
 PROCESS_NODE = {
     "nodeSelector": {"dynamo.dev/node-kind": "process"},
     "tolerations": [{"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
@@ -153,7 +156,7 @@ class Demo:
         )  # fmt: skip
 
     def apply_workloads(self, model: Path) -> None:
-        say("applying a DynamoWorker (2 replicas, tiny model) and two LoRAAdapters")
+        say("applying a DynamoWorker (2 replicas, tiny model, a frontend) and two LoRAAdapters")
         self.kubectl("create", "namespace", NAMESPACE, check=False)
         secret = {
             "apiVersion": "v1",
@@ -177,6 +180,10 @@ class Demo:
                 "credentials": {"s3": {"secretName": "demo-s3",
                                        "endpoint": f"http://{GATEWAY_IP}:{S3_PORT}"}},
                 "pod": PROCESS_NODE,
+                # Upstream's frontend. The process node ignores images and runs the command:
+                # here the venv hack/oracle-venv made (on a cluster, leave command unset).
+                "frontend": {"image": FRONTEND_IMAGE, "command": _frontend_command(),
+                             "pod": PROCESS_NODE},
             },
         }  # fmt: skip
         adapters = [
@@ -218,19 +225,20 @@ class Demo:
             time.sleep(2)
 
     def show(self) -> None:
-        print(self.kubectl("get", "dw,lora,pods", "-n", NAMESPACE, "-o", "wide"))
-        pods = json.loads(self.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json"))["items"]
+        print(self.kubectl("get", "dw,lora,pods,svc", "-n", NAMESPACE, "-o", "wide"))
+        workers = ("-n", NAMESPACE, "-l", "dynamo.dev/worker=tiny", "-o", "json")
+        pods = json.loads(self.kubectl("get", "pods", *workers))["items"]
         pod_ip = next(p["status"]["podIP"] for p in pods if p["status"].get("podIP"))
+        print(f"worker pod {pod_ip}, its own OpenAI routes:")
         for model in ("tiny-llama", *ADAPTERS):
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": "Say something about databases."}],
-                "max_tokens": 12,
-                "temperature": 0,
-            }
-            answer = _post(f"http://{pod_ip}:8000/v1/chat/completions", body)
-            text = answer["choices"][0]["message"]["content"]
-            print(f"chat completion from {model:11} -> {text!r}")
+            _chat(f"http://{pod_ip}:8000", model)
+        frontend = self.get("dw", "tiny")["status"]["frontend"]
+        cluster_ip = self.get("svc", "tiny-frontend")["spec"]["clusterIP"]
+        base = f"http://{cluster_ip}:8000"
+        print(f"\nupstream's frontend at its Service {frontend['url']} ({base}):")
+        self.wait_listed(base, ("tiny-llama", *ADAPTERS))
+        for model in ("tiny-llama", *ADAPTERS):
+            _chat(base, model)
         metrics = _get_text(f"http://{pod_ip}:9090/metrics")
         ranked = [
             line for line in metrics.splitlines() if "dp_rank=" in line and not line.startswith("#")
@@ -244,10 +252,41 @@ class Demo:
                 f"taints {pod.get('taints')}, adapters {pod.get('loadedAdapters')}"
             )
 
+    def wait_listed(self, base: str, models: tuple[str, ...], within: float = 60) -> None:
+        """Wait until the frontend lists `models` (discovery adds a worker once its pod is
+        ready and the frontend has fetched its model-card files)."""
+        deadline = time.monotonic() + within
+        while True:
+            listed = {m["id"] for m in json.loads(_get_text(base + "/v1/models"))["data"]}
+            if set(models) <= listed:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the frontend lists {sorted(listed)}, not all of {models}")
+            time.sleep(1)
+
     def down(self) -> None:
         daemons.stop(self.layout, "demo-s3")
         subprocess.run([str(REPO_DIR / "hack" / "cluster"), "down"], check=True)
         say("demo stopped")
+
+
+def _frontend_command() -> list[str]:
+    venv = os.environ.get("DYNAMO_ORACLE_VENV")
+    if not venv:
+        raise SystemExit("DYNAMO_ORACLE_VENV is unset: run the demo as hack/demo")
+    return [str(Path(venv) / "bin" / "python"), "-m", "dynamo.frontend"]
+
+
+def _chat(base: str, model: str) -> None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say something about databases."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    answer = _post(f"{base}/v1/chat/completions", body)
+    text = answer["choices"][0]["message"]["content"]
+    print(f"  chat completion from {model:11} -> {text!r}")
 
 
 def _ready(obj: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
 """The README's demo command, end to end: `hack/demo` brings up the whole system and shows
-completions from the base model and each adapter; `hack/demo down` leaves nothing behind."""
+completions from the base model and each adapter, from a worker pod and through upstream's
+frontend; `hack/demo down` leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ def test_demo_runs_end_to_end_and_down_leaves_nothing(testbed: Cluster) -> None:
         [str(HACK / "demo")], capture_output=True, text=True, timeout=900, check=False
     )
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    worker, _, frontend = up.stdout.partition("upstream's frontend at its Service")
+    assert frontend, up.stdout[-3000:]
     for model in ("tiny-llama", "sql-lora", "poet-lora"):
-        assert f"chat completion from {model}" in up.stdout
+        assert f"chat completion from {model}" in worker
+        assert f"chat completion from {model}" in frontend
     assert "dp_rank=" in up.stdout
     assert "published token budget {'combinedLimit': 2048" in up.stdout
 

@@ -1,0 +1,266 @@
+"""spec.frontend end to end on the test bed: the operator (a subprocess) deploys upstream
+Dynamo's own frontend (ai-dynamo 1.6.1, from the venv `hack/oracle-venv` makes) in front of
+our worker pods. Frontend and workers are process-node pods with their own IPs; the frontend
+finds the workers through upstream's Kubernetes discovery (EndpointSlices plus
+DynamoWorkerMetadata, read with its own ServiceAccount's token and Role), downloads their
+model-card files over HTTP from the workers' system ports, and routes over upstream's TCP
+request plane. Clients reach it at its Service's ClusterIP (the test bed's service proxy).
+
+Steps, in order: a chat completion through the Service, answered by both workers in turn;
+the status; then removing spec.frontend removes every frontend child.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynamo_operator.k8s.client import Cluster as OperatorCluster
+from dynamo_operator.reconcile.crds import install_crds
+from support.cluster import Cluster, eventually
+from support.operator_process import OperatorProcess, start_operator
+from support.tiny_model import TinyModel
+from support.upstream import ORACLE_VENV_ENV, SAMPLE_ENGINE, oracle_venv
+
+pytestmark = pytest.mark.e2e
+
+GROUP, VERSION = "dynamo.dev", "v1alpha1"
+WORKER = "tiny"
+SERVED = "tiny-llama"
+FRONTEND = f"{WORKER}-frontend"
+MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
+ON_PROCESS_NODE = {
+    "nodeSelector": {"dynamo.dev/node-kind": "process"},
+    "tolerations": [
+        {"key": "dynamo.dev/process-node", "operator": "Exists", "effect": "NoSchedule"}
+    ],
+}
+T = TypeVar("T")
+
+
+@dataclass
+class Bed:
+    api: client.ApiClient
+    namespace: str
+    operator: OperatorProcess
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    async def eventually(
+        self, what: str, probe: Callable[[], Awaitable[T]], within: float, until: Callable[[T], bool]
+    ) -> T:
+        try:
+            return await eventually(probe, within, until, every=0.3)
+        except AssertionError as err:
+            raise AssertionError(
+                f"{what}: {err}\noperator log:\n{self.operator.log_tail(60)}"
+            ) from None
+
+    async def worker(self) -> dict[str, Any]:
+        found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "dynamoworkers", WORKER
+        )
+        return found
+
+    async def worker_pod_ips(self) -> list[str]:
+        listing = await self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
+        )
+        return sorted(p.status.pod_ip for p in listing.items if p.status.pod_ip)
+
+
+def ready(obj: dict[str, Any]) -> str | None:
+    for condition in (obj.get("status") or {}).get("conditions") or []:
+        if condition["type"] == "Ready":
+            return str(condition["status"])
+    return None
+
+
+async def requests_served(ip: str) -> float:
+    """dynamo_component_requests_total on the worker pod at `ip`."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://{ip}:9090/metrics") as response,
+    ):
+        text = await response.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "dynamo_component_requests_total"
+    )
+
+
+@pytest_asyncio.fixture(scope="module")
+async def bed(
+    api: client.ApiClient,
+    testbed: Cluster,
+    tiny_model: TinyModel,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Bed]:
+    python = oracle_venv() / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(
+            f"upstream Dynamo's venv is not at {python.parent.parent}; create it with "
+            f"hack/oracle-venv (or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
+        )
+    await install_crds(OperatorCluster(api))
+    core = client.CoreV1Api(api)
+    namespace = f"t-fe-{uuid.uuid4().hex[:8]}"
+    ns_body: Any = {"metadata": {"name": namespace, "labels": {"dynamo.dev/test": "true"}}}
+    await core.create_namespace(ns_body)
+    await eventually(lambda: core.read_namespaced_service_account("default", namespace), 30)
+    # Pods get their own /tmp: the model must live where a pod sees the host's files.
+    shared = Path(testbed.kubeconfig).parent / "e2e" / namespace
+    shutil.copytree(tiny_model.base, shared / "base")
+    log_path = tmp_path_factory.mktemp("frontend-operator") / "operator.log"
+    operator = start_operator(testbed, [namespace], log_path, resync_seconds=3.0)
+    bed = Bed(api, namespace, operator)
+    try:
+        await operator.wait_serving()
+        worker: Any = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "DynamoWorker",
+            "metadata": {"name": WORKER},
+            "spec": {
+                "model": {"name": SERVED, "source": str(shared / "base")},
+                "replicas": 2,
+                "engine": {"class": SAMPLE_ENGINE},
+                "resources": {"gpusPerPod": 0},
+                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
+                "pod": ON_PROCESS_NODE,
+                "frontend": {
+                    # The process node ignores images; the command is what runs.
+                    "image": "nvcr.io/nvidia/ai-dynamo/vllm-runtime:1.6.1",
+                    "command": [str(python), "-m", "dynamo.frontend"],
+                    "pod": ON_PROCESS_NODE,
+                },
+            },
+        }
+        await bed.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, "dynamoworkers", worker
+        )
+        yield bed
+    finally:
+        operator.stop()
+        try:
+            await bed.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, "dynamoworkers", WORKER,
+                {"metadata": {"finalizers": None}}, **MERGE,
+            )  # fmt: skip
+        except ApiException:
+            pass
+        await core.delete_namespace(namespace)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+async def test_chat_through_the_frontend_service_reaches_both_workers(bed: Bed) -> None:
+    found = await bed.eventually("DynamoWorker Ready", bed.worker, 240, lambda w: ready(w) == "True")
+    frontend = found["status"]["frontend"]
+    assert frontend["readyReplicas"] == 1
+    assert frontend["url"] == f"http://{FRONTEND}.{bed.namespace}.svc:8000"
+    service = await bed.core.read_namespaced_service(FRONTEND, bed.namespace)
+    base = f"http://{service.spec.cluster_ip}:8000"
+
+    async def models() -> list[str]:
+        async with aiohttp.ClientSession() as session, session.get(base + "/v1/models") as r:
+            return [m["id"] for m in (await r.json())["data"]]
+
+    # Discovery lists a worker once its pod is ready in the EndpointSlice and its card files
+    # were fetched; wait until both workers are routable.
+    await bed.eventually("model listed", models, 60, lambda ids: SERVED in ids)
+    ips = await bed.worker_pod_ips()
+    assert len(ips) == 2
+    before = {ip: await requests_served(ip) for ip in ips}
+    body = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 6,
+    }
+
+    async def chat() -> dict[str, Any]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(base + "/v1/chat/completions", json=body) as response,
+        ):
+            answer: dict[str, Any] = await response.json(content_type=None)
+            assert response.status == 200, answer
+            return answer
+
+    answers = [await chat() for _ in range(6)]
+    for answer in answers:
+        assert answer["model"] == SERVED
+        assert answer["usage"]["completion_tokens"] == 6
+        assert answer["choices"][0]["message"]["content"]
+    served = {ip: await requests_served(ip) - before[ip] for ip in ips}
+    # Round robin over both pods (discovery may have listed the second one a moment late).
+    assert sum(served.values()) == 6, served
+    assert all(count >= 1 for count in served.values()), served
+
+
+async def test_frontend_pods_are_not_workers(bed: Bed) -> None:
+    found = await bed.worker()
+    # The worker pod list in status holds only the two workers, never the frontend pod.
+    assert len(found["status"]["pods"]) == 2
+    listing = await bed.core.list_namespaced_pod(
+        bed.namespace, label_selector=f"dynamo.dev/frontend={WORKER}"
+    )
+    [pod] = listing.items
+    assert "dynamo.dev/worker" not in pod.metadata.labels
+    assert pod.spec.service_account_name == FRONTEND
+
+
+async def test_removing_the_frontend_removes_its_children(bed: Bed) -> None:
+    await bed.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER, {"spec": {"frontend": None}}, **MERGE
+    )
+    apps = client.AppsV1Api(bed.api)
+    rbac = client.RbacAuthorizationV1Api(bed.api)
+    reads = {
+        "Deployment": lambda: apps.read_namespaced_deployment(FRONTEND, bed.namespace),
+        "Service": lambda: bed.core.read_namespaced_service(FRONTEND, bed.namespace),
+        "ServiceAccount": lambda: bed.core.read_namespaced_service_account(
+            FRONTEND, bed.namespace
+        ),
+        "Role": lambda: rbac.read_namespaced_role(FRONTEND, bed.namespace),
+        "RoleBinding": lambda: rbac.read_namespaced_role_binding(FRONTEND, bed.namespace),
+    }
+
+    async def left() -> list[str]:
+        remaining = []
+        for kind, read in reads.items():
+            try:
+                await read()
+            except ApiException as err:
+                if err.status == 404:
+                    continue
+                raise
+            remaining.append(kind)
+        return remaining
+
+    await bed.eventually("frontend children deleted", left, 60, lambda kinds: kinds == [])
+    found = await bed.eventually(
+        "status without frontend",
+        bed.worker,
+        30,
+        lambda w: "frontend" not in w["status"] and ready(w) == "True",
+    )
+    assert found["status"]["readyReplicas"] == 2
