@@ -12,13 +12,15 @@ the status; then removing spec.frontend removes every frontend child.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import shutil
-import sys
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import aiohttp
 import pytest
@@ -27,8 +29,10 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo_operator.api.dynamoworker import RouterMode
 from dynamo_operator.k8s.client import Cluster as OperatorCluster
 from dynamo_operator.reconcile.crds import install_crds
+from dynamo_operator.reconcile.interface import FrontendEnv
 from support.cluster import Cluster, eventually
 from support.operator_process import OperatorProcess, start_operator
 from support.tiny_model import TinyModel
@@ -65,7 +69,11 @@ class Bed:
         return client.CoreV1Api(self.api)
 
     async def eventually(
-        self, what: str, probe: Callable[[], Awaitable[T]], within: float, until: Callable[[T], bool]
+        self,
+        what: str,
+        probe: Callable[[], Awaitable[T]],
+        within: float,
+        until: Callable[[T], bool],
     ) -> T:
         try:
             return await eventually(probe, within, until, every=0.3)
@@ -109,6 +117,32 @@ async def requests_served(ip: str) -> float:
     )
 
 
+def upstream_python() -> Path:
+    python = oracle_venv() / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(
+            f"upstream Dynamo's venv is not at {python.parent.parent}; create it with "
+            f"hack/oracle-venv (or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
+        )
+    return python
+
+
+def test_frontend_env_and_router_modes_are_upstreams() -> None:
+    """What the operator configures the frontend with is what upstream's frontend reads."""
+    shown = subprocess.run(
+        [str(upstream_python()), "-m", "dynamo.frontend", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    for name in FrontendEnv:
+        assert f"env var: {name} " in shown, name
+    modes = re.search(r"--router-mode \{([^}]*)\}", shown)
+    assert modes is not None
+    assert set(get_args(RouterMode)) <= set(modes.group(1).split(","))
+
+
 @pytest_asyncio.fixture(scope="module")
 async def bed(
     api: client.ApiClient,
@@ -116,12 +150,7 @@ async def bed(
     tiny_model: TinyModel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Bed]:
-    python = oracle_venv() / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(
-            f"upstream Dynamo's venv is not at {python.parent.parent}; create it with "
-            f"hack/oracle-venv (or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
-        )
+    python = upstream_python()
     await install_crds(OperatorCluster(api))
     core = client.CoreV1Api(api)
     namespace = f"t-fe-{uuid.uuid4().hex[:8]}"
@@ -161,19 +190,17 @@ async def bed(
         yield bed
     finally:
         operator.stop()
-        try:
+        with contextlib.suppress(ApiException):
             await bed.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, namespace, "dynamoworkers", WORKER,
                 {"metadata": {"finalizers": None}}, **MERGE,
             )  # fmt: skip
-        except ApiException:
-            pass
         await core.delete_namespace(namespace)
         shutil.rmtree(shared, ignore_errors=True)
 
 
 async def test_chat_through_the_frontend_service_reaches_both_workers(bed: Bed) -> None:
-    found = await bed.eventually("DynamoWorker Ready", bed.worker, 240, lambda w: ready(w) == "True")
+    found = await bed.eventually("Ready", bed.worker, 240, lambda w: ready(w) == "True")
     frontend = found["status"]["frontend"]
     assert frontend["readyReplicas"] == 1
     assert frontend["url"] == f"http://{FRONTEND}.{bed.namespace}.svc:8000"
@@ -230,16 +257,15 @@ async def test_frontend_pods_are_not_workers(bed: Bed) -> None:
 
 async def test_removing_the_frontend_removes_its_children(bed: Bed) -> None:
     await bed.custom.patch_namespaced_custom_object(
-        GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER, {"spec": {"frontend": None}}, **MERGE
-    )
+        GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER,
+        {"spec": {"frontend": None}}, **MERGE,
+    )  # fmt: skip
     apps = client.AppsV1Api(bed.api)
     rbac = client.RbacAuthorizationV1Api(bed.api)
     reads = {
         "Deployment": lambda: apps.read_namespaced_deployment(FRONTEND, bed.namespace),
         "Service": lambda: bed.core.read_namespaced_service(FRONTEND, bed.namespace),
-        "ServiceAccount": lambda: bed.core.read_namespaced_service_account(
-            FRONTEND, bed.namespace
-        ),
+        "ServiceAccount": lambda: bed.core.read_namespaced_service_account(FRONTEND, bed.namespace),
         "Role": lambda: rbac.read_namespaced_role(FRONTEND, bed.namespace),
         "RoleBinding": lambda: rbac.read_namespaced_role_binding(FRONTEND, bed.namespace),
     }

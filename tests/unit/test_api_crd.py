@@ -4,9 +4,8 @@ limits and `kubectl explain` documents every field."""
 
 from __future__ import annotations
 
-import re
-
 import io
+import re
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path

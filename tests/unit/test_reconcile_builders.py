@@ -20,6 +20,7 @@ from dynamo_operator.reconcile import interface as wi
 from dynamo_operator.reconcile.builders import (
     desired_children,
     desired_deployment,
+    desired_frontend_children,
     desired_pod_monitor,
     desired_role,
     desired_service,
@@ -350,3 +351,98 @@ def test_extra_env_may_not_shadow_the_operators() -> None:
         desired_deployment(dw, DEFAULTS)
     ok = stored(dynamo_worker(spec={"pod": {"env": [{"name": "MY_FLAG", "value": "1"}]}}))
     assert env_of(desired_deployment(ok, DEFAULTS))["MY_FLAG"] == {"name": "MY_FLAG", "value": "1"}
+
+
+# --- spec.frontend ----------------------------------------------------------------------------
+
+FRONTEND_SETTINGS = ReconcileSettings(worker_image=IMAGE, frontend_image="upstream:1.6.1")
+
+
+def frontend_children(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    dw = stored(dynamo_worker("llm", {"frontend": spec}))
+    return {c["kind"]: c for c in desired_frontend_children(dw, FRONTEND_SETTINGS)}
+
+
+def test_no_frontend_without_spec_frontend() -> None:
+    dw = stored(dynamo_worker("llm"))
+    assert desired_frontend_children(dw, FRONTEND_SETTINGS) == []
+    assert not [c for c in desired_children(dw, FRONTEND_SETTINGS) if "frontend" in str(c)]
+
+
+def test_frontend_pods_are_never_selected_as_workers() -> None:
+    children = frontend_children({})
+    template = children["Deployment"]["spec"]["template"]
+    worker_selector = desired_deployment(stored(dynamo_worker("llm")), DEFAULTS)["spec"][
+        "selector"
+    ]["matchLabels"]
+    labels = template["metadata"]["labels"]
+    # Neither the worker Deployment, Service, PDB nor the operator's pod index match it, and
+    # upstream's discovery never lists it (no discovery labels on its pods or Service).
+    assert not worker_selector.items() <= labels.items()
+    assert "dynamo.dev/worker" not in labels
+    assert not any(k.startswith("nvidia.com/dynamo-discovery") for k in labels)
+    service = children["Service"]
+    assert not any(
+        k.startswith("nvidia.com/dynamo-discovery") for k in service["metadata"]["labels"]
+    )
+    assert service["spec"]["selector"] == {"dynamo.dev/frontend": "llm"}
+    assert children["Deployment"]["spec"]["selector"]["matchLabels"] == {
+        "dynamo.dev/frontend": "llm"
+    }
+    assert service["spec"]["type"] == "ClusterIP"
+
+
+def test_frontend_is_scoped_to_this_workers_discovery() -> None:
+    children = frontend_children({"routerMode": "kv", "extraArgs": ["--migration-limit", "3"]})
+    container = children["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    values = {e["name"]: e.get("value") for e in container["env"]}
+    worker_env = env_of(desired_deployment(stored(dynamo_worker("llm")), DEFAULTS))
+    # The same Dynamo namespace, discovery backend and request plane as the workers'.
+    for name in ("DYN_NAMESPACE", "DYN_DISCOVERY_BACKEND", "DYN_REQUEST_PLANE"):
+        assert values[name] == worker_env[name]["value"], name
+    assert values["DYN_REQUEST_PLANE"] == "tcp"
+    assert values["DYN_ROUTER_MODE"] == "kv"
+    assert values["DYN_HTTP_PORT"] == "8000"
+    downward = {e["name"] for e in container["env"] if "valueFrom" in e}
+    assert {"POD_NAME", "POD_NAMESPACE", "POD_UID"} <= downward
+    assert container["command"] == ["python3", "-m", "dynamo.frontend"]
+    assert container["args"] == ["--migration-limit", "3"]
+    assert container["image"] == "upstream:1.6.1"
+
+
+def test_frontend_role_only_reads_discovery() -> None:
+    children = frontend_children({})
+    rules = children["Role"]["rules"]
+    assert {v for r in rules for v in r["verbs"]} == {"list", "watch"}
+    assert {(g, res) for r in rules for g in r["apiGroups"] for res in r["resources"]} == {
+        ("discovery.k8s.io", "endpointslices"),
+        ("nvidia.com", "dynamoworkermetadatas"),
+    }
+    binding = children["RoleBinding"]
+    assert binding["roleRef"]["name"] == binding["subjects"][0]["name"] == "llm-frontend"
+    pod = children["Deployment"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llm-frontend"
+
+
+def test_frontend_pod_is_restricted() -> None:
+    pod = frontend_children({})["Deployment"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    [container] = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert [v for v in pod["volumes"] if set(v) - {"name"} != {"emptyDir"}] == []
+    home = {e["name"]: e.get("value") for e in container["env"]}["HOME"]
+    assert home in {m["mountPath"] for m in container["volumeMounts"]}
+
+
+def test_frontend_errors_name_the_field() -> None:
+    dw = stored(dynamo_worker("llm", {"frontend": {}}))
+    with pytest.raises(SpecError, match=r"spec\.frontend\.image .* --frontend-image"):
+        desired_frontend_children(dw, DEFAULTS)
+    clash = stored(
+        dynamo_worker(
+            "llm", {"frontend": {"pod": {"env": [{"name": "DYN_ROUTER_MODE", "value": "kv"}]}}}
+        )
+    )
+    with pytest.raises(SpecError, match=r"spec\.frontend\.pod\.env sets DYN_ROUTER_MODE"):
+        desired_frontend_children(clash, FRONTEND_SETTINGS)

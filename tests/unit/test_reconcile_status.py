@@ -510,3 +510,39 @@ def test_events_for_significant_transitions_only() -> None:
     }
     assert event["eventTime"] == "2026-01-01T12:00:00.000000Z"
     assert event["note"].startswith("Degraded=True: spec.modelTaints")
+
+
+def with_frontend(replicas: int) -> DynamoWorker:
+    body = dynamo_worker("llm", {"replicas": 2, "frontend": {"replicas": replicas}})
+    body["metadata"] |= {"namespace": "ns", "uid": "u-1", "generation": 3}
+    return DynamoWorker.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    ("frontend_replicas", "frontend", "ready", "fragment", "counts"),
+    [
+        (1, None, ("False", "WaitingForFrontend"), "Deployment does not exist", (0, 0)),
+        (2, deployment(replicas=2, ready=1), ("False", "WaitingForFrontend"), "1 of 2", (2, 1)),
+        (1, deployment(replicas=1, ready=1), ("True", "AllReplicasReady"), "2 of 2 pods", (1, 1)),
+        (0, deployment(replicas=0, ready=0), ("True", "AllReplicasReady"), "2 of 2 pods", (0, 0)),
+    ],
+)
+def test_ready_waits_for_the_frontend(
+    frontend_replicas: int,
+    frontend: dict[str, Any] | None,
+    ready: tuple[str, str],
+    fragment: str,
+    counts: tuple[int, int],
+) -> None:
+    observed = Observed(now=T0, deployment=deployment(), frontend_deployment=frontend)
+    status = compute_status(with_frontend(frontend_replicas), observed)
+    assert conditions(status)["Ready"] == ready
+    assert fragment in message(status, "Ready")
+    assert (status["frontend"]["replicas"], status["frontend"]["readyReplicas"]) == counts
+    assert status["frontend"]["url"] == "http://llm-frontend.ns.svc:8000"
+    DynamoWorkerStatus.model_validate(status)
+
+
+def test_no_frontend_no_frontend_status() -> None:
+    status = compute_status(worker(), Observed(now=T0, deployment=deployment()))
+    assert "frontend" not in status
