@@ -7,12 +7,15 @@ model-card files over HTTP from the workers' system ports, and routes over upstr
 request plane. Clients reach it at its Service's ClusterIP (the test bed's service proxy).
 
 Steps, in order: a chat completion through the Service, answered by both workers in turn;
-the status; then removing spec.frontend removes every frontend child.
+the status; a drain (5 streams through the frontend, a worker pod deleted 3 s in: all 5
+complete); then removing spec.frontend removes every frontend child.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import re
 import shutil
 import subprocess
@@ -172,9 +175,10 @@ async def bed(
             "spec": {
                 "model": {"name": SERVED, "source": str(shared / "base")},
                 "replicas": 2,
-                "engine": {"class": SAMPLE_ENGINE},
+                # 50 ms a token: the drain step's streams run about 6 s.
+                "engine": {"class": SAMPLE_ENGINE, "extraArgs": ["--token-delay", "0.05"]},
                 "resources": {"gpusPerPod": 0},
-                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
+                "drain": {"gracePeriodSeconds": 1, "drainTimeoutSeconds": 15},
                 "pod": ON_PROCESS_NODE,
                 "frontend": {
                     # The process node ignores images; the command is what runs.
@@ -253,6 +257,50 @@ async def test_frontend_pods_are_not_workers(bed: Bed) -> None:
     [pod] = listing.items
     assert "dynamo.dev/worker" not in pod.metadata.labels
     assert pod.spec.service_account_name == FRONTEND
+
+
+async def sse(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    """A streamed request: the status and its `data:` events (`[DONE]` kept as text)."""
+    events: list[Any] = []
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                data = line[len("data:") :].strip()
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return response.status, events
+
+
+async def test_drain_through_the_frontend(bed: Bed) -> None:
+    service = await bed.core.read_namespaced_service(FRONTEND, bed.namespace)
+    url = f"http://{service.spec.cluster_ip}:8000/v1/completions"
+    body = {
+        "model": SERVED,
+        "prompt": "drain me",
+        "max_tokens": 120,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    streams = [asyncio.create_task(sse(url, body)) for _ in range(5)]
+    # Round robin put streams on both pods; delete one of them 3 s in (SIGTERM from the
+    # process node, as from a kubelet): it turns unready, leaves discovery, and must finish.
+    await asyncio.sleep(3)
+    assert not any(stream.done() for stream in streams)
+    listing = await bed.core.list_namespaced_pod(
+        bed.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
+    )
+    victim = sorted(p.metadata.name for p in listing.items)[0]
+    await bed.core.delete_namespaced_pod(victim, bed.namespace)
+    results = await asyncio.gather(*streams)
+    for status, events in results:
+        assert status == 200, events
+        assert events[-1] == "[DONE]"
+        usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+        assert usage[-1]["completion_tokens"] == 120, events[-3:]
+    # The Deployment replaces the pod; the worker is whole again.
+    await bed.eventually(
+        "2 ready workers", bed.worker, 120, lambda w: w["status"].get("readyReplicas") == 2
+    )
 
 
 async def test_removing_the_frontend_removes_its_children(bed: Bed) -> None:
