@@ -546,3 +546,24 @@ def test_ready_waits_for_the_frontend(
 def test_no_frontend_no_frontend_status() -> None:
     status = compute_status(worker(), Observed(now=T0, deployment=deployment()))
     assert "frontend" not in status
+
+
+def test_a_failing_frontend_degrades() -> None:
+    stalled = deployment(
+        ready=0,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": 'ReplicaSet "llm-frontend-1" has timed out progressing.',
+            }
+        ],
+    )
+    stalled["metadata"]["name"] = "llm-frontend"
+    observed = Observed(now=T0, deployment=deployment(), frontend_deployment=stalled)
+    status = compute_status(with_frontend(1), observed)
+    assert conditions(status)["Degraded"] == ("True", "FrontendFailing")
+    assert "llm-frontend" in message(status, "Degraded")
+    assert "spec.frontend.image" in message(status, "Degraded")
+    assert conditions(status)["Ready"] == ("False", "WaitingForFrontend")

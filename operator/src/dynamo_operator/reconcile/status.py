@@ -33,7 +33,7 @@ from dynamo_operator.api.dynamoworker import (
 )
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.reconcile.builders import frontend_url
-from dynamo_operator.reconcile.labels import deployment_name, selector_string
+from dynamo_operator.reconcile.labels import FRONTEND_LABEL, deployment_name, selector_string
 from dynamo_operator.reconcile.observed import PodProblem, PodSummary
 
 # How many pods a message names before it says "and N more".
@@ -254,6 +254,23 @@ _PROBLEM_REASONS: dict[PodProblem, tuple[str, str]] = {
 _PROBLEM_ORDER = list(_PROBLEM_REASONS)
 
 
+def _frontend_trouble(deployment: Mapping[str, Any] | None) -> str | None:
+    """Why the frontend Deployment cannot make or keep its pods, if it says so."""
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    stalled = _deployment_condition(deployment, "Progressing")
+    if failure.get("status") == "True":
+        detail = failure.get("message", "")
+    elif stalled.get("reason") == "ProgressDeadlineExceeded":
+        detail = stalled.get("message", "")
+    else:
+        return None
+    name = ((deployment or {}).get("metadata") or {}).get("name", "")
+    return (
+        f"the frontend Deployment {name} is failing ({detail}); check spec.frontend.image and "
+        f"command, and `kubectl logs -l {FRONTEND_LABEL}={name.removesuffix('-frontend')}`"
+    )
+
+
 def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
     t = ConditionType.DEGRADED
     if observed.spec_error is not None:
@@ -287,6 +304,9 @@ def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
         same = [pod for _, pod, other, _ in troubled if other == problem]
         subject = f"pod {same[0]}" if len(same) == 1 else f"pods {_names(same)}"
         return _Wanted(t, "True", reason, f"{subject} {template.format(detail=detail)}")
+    frontend_trouble = _frontend_trouble(observed.frontend_deployment)
+    if frontend_trouble is not None:
+        return _Wanted(t, "True", "FrontendFailing", frontend_trouble)
     if observed.taint_failures:
         names = sorted(observed.taint_failures)
         return _Wanted(
