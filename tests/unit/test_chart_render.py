@@ -285,7 +285,7 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     )
     # Children deleted when no longer wanted (`WorkerReconciler._remove_unwanted`): read, then
     # deleted when owned.
-    assert "unwanted.append((kinds.POD_MONITOR" in source
+    assert "candidates.append((kinds.POD_MONITOR" in source
     for kind in (kinds.POD_MONITOR, *FRONTEND_KINDS):
         group = kind.api_version.rpartition("/")[0]
         need |= {(group, kind.plural, v, ()) for v in ("get", "delete")}

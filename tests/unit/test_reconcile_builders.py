@@ -446,3 +446,26 @@ def test_frontend_errors_name_the_field() -> None:
     )
     with pytest.raises(SpecError, match=r"spec\.frontend\.pod\.env sets DYN_ROUTER_MODE"):
         desired_frontend_children(clash, FRONTEND_SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("crd", "monitor", "annotated"), [(True, True, False), (False, False, True)]
+)
+def test_frontend_metrics_are_scraped_like_the_workers(
+    crd: bool, monitor: bool, annotated: bool
+) -> None:
+    dw = stored(dynamo_worker("llm", {"frontend": {}}))
+    settings = ReconcileSettings(worker_image=IMAGE, frontend_image="f:1", pod_monitor_crd=crd)
+    children = {(c["kind"], c["metadata"]["name"]): c for c in desired_children(dw, settings)}
+    frontend_monitor = children.get(("PodMonitor", "llm-frontend"))
+    assert (frontend_monitor is not None) == monitor
+    if frontend_monitor is not None:
+        assert frontend_monitor["spec"]["selector"] == {
+            "matchLabels": {"dynamo.dev/frontend": "llm"}
+        }
+        assert frontend_monitor["spec"]["podMetricsEndpoints"] == [
+            {"port": "http", "path": "/metrics"}
+        ]
+    template = children[("Deployment", "llm-frontend")]["spec"]["template"]["metadata"]
+    annotations = template.get("annotations", {})
+    assert (annotations.get("prometheus.io/port") == "8000") == annotated

@@ -70,13 +70,16 @@ def wants_pod_monitor(spec: DynamoWorkerSpec, settings: ReconcileSettings) -> bo
     return mode == "Enabled" or (mode == "Auto" and settings.pod_monitor_crd)
 
 
-def _scrape_annotations(spec: DynamoWorkerSpec, settings: ReconcileSettings) -> dict[str, str]:
-    """prometheus.io annotations, the fallback for scrapers configured by annotation."""
+def _scrape_annotations(
+    spec: DynamoWorkerSpec, settings: ReconcileSettings, port: int
+) -> dict[str, str]:
+    """prometheus.io annotations (metrics on `port`), the fallback for scrapers configured by
+    annotation."""
     if spec.metrics.pod_monitor != "Auto" or settings.pod_monitor_crd:
         return {}
     return {
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(wi.SYSTEM_PORT),
+        "prometheus.io/port": str(port),
         "prometheus.io/path": wi.METRICS_PATH,
     }
 
@@ -327,7 +330,9 @@ def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifes
         pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
     pod_spec.update(_scheduling(spec.pod))
     template_metadata = _pod_metadata(
-        spec.pod, {**common_labels(worker), **DISCOVERY_LABELS}, _scrape_annotations(spec, settings)
+        spec.pod,
+        {**common_labels(worker), **DISCOVERY_LABELS},
+        _scrape_annotations(spec, settings, wi.SYSTEM_PORT),
     )
     return {
         "apiVersion": "apps/v1",
@@ -442,18 +447,24 @@ def desired_role_binding(dw: DynamoWorker) -> Manifest:
     return _role_binding(dw, service_account_name(_identity(dw)[0]))
 
 
-def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
-    """A Prometheus Operator PodMonitor scraping each pod's system port."""
-    worker, _, _ = _identity(dw)
+def _pod_monitor(
+    dw: DynamoWorker, name: str, selector: Manifest, port_name: str, labels: Manifest | None = None
+) -> Manifest:
     return {
         "apiVersion": POD_MONITOR_API_VERSION,
         "kind": "PodMonitor",
-        "metadata": _metadata(dw, pod_monitor_name(worker)),
+        "metadata": _metadata(dw, name, labels),
         "spec": {
-            "selector": {"matchLabels": selector_labels(worker)},
-            "podMetricsEndpoints": [{"port": wi.SYSTEM_PORT_NAME, "path": wi.METRICS_PATH}],
+            "selector": {"matchLabels": selector},
+            "podMetricsEndpoints": [{"port": port_name, "path": wi.METRICS_PATH}],
         },
     }
+
+
+def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
+    """A Prometheus Operator PodMonitor scraping each worker pod's system port."""
+    worker, _, _ = _identity(dw)
+    return _pod_monitor(dw, pod_monitor_name(worker), selector_labels(worker), wi.SYSTEM_PORT_NAME)
 
 
 # What upstream's frontend reads from the API (its Kubernetes discovery): the EndpointSlices
@@ -572,7 +583,11 @@ def desired_frontend_deployment(
             },
             "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
             "template": {
-                "metadata": _pod_metadata(frontend.pod, frontend_labels(worker), {}),
+                "metadata": _pod_metadata(
+                    frontend.pod,
+                    frontend_labels(worker),
+                    _scrape_annotations(dw.spec, settings, wi.FRONTEND_PORT),
+                ),
                 "spec": pod_spec,
             },
         },
@@ -603,18 +618,31 @@ def desired_frontend_service(dw: DynamoWorker) -> Manifest:
 
 def desired_frontend_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Manifest]:
     """The frontend's children in apply order (none when spec.frontend is unset): its
-    identity and read-only discovery permissions, its Service, its Deployment."""
+    identity and read-only discovery permissions, its Service, its Deployment, and a
+    PodMonitor on its OpenAI port when the workers get one (spec.metrics)."""
     frontend = dw.spec.frontend
     if frontend is None:
         return []
-    name = frontend_name(_identity(dw)[0])
-    return [
+    worker = _identity(dw)[0]
+    name = frontend_name(worker)
+    children = [
         _service_account(dw, name, FRONTEND_COMPONENT),
         _role(dw, name, FRONTEND_ROLE_RULES, FRONTEND_COMPONENT),
         _role_binding(dw, name, FRONTEND_COMPONENT),
         desired_frontend_service(dw),
         desired_frontend_deployment(dw, frontend, settings),
     ]
+    if wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
+        children.append(
+            _pod_monitor(
+                dw,
+                name,
+                frontend_selector_labels(worker),
+                wi.FRONTEND_PORT_NAME,
+                FRONTEND_COMPONENT,
+            )
+        )
+    return children
 
 
 def desired_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Manifest]:

@@ -182,7 +182,7 @@ class WorkerReconciler:
             if manifest["kind"] == "Deployment":
                 deployments[manifest["metadata"]["name"]] = result.live
         if full:
-            await self._remove_unwanted(dw, settings)
+            await self._remove_unwanted(dw, settings, desired)
 
         failures: dict[str, str] = {}
         if self.taints is not None and dw.metadata.namespace and dw.metadata.name:
@@ -247,21 +247,29 @@ class WorkerReconciler:
         except ApiError as err:
             return _ChildResult(live, error=err)
 
-    async def _remove_unwanted(self, dw: DynamoWorker, settings: ReconcileSettings) -> None:
-        """Delete children this worker owns and no longer wants: the PodMonitor when
-        spec.metrics stops asking for one, the frontend's children when spec.frontend goes."""
+    async def _remove_unwanted(
+        self, dw: DynamoWorker, settings: ReconcileSettings, desired: Sequence[dict[str, Any]]
+    ) -> None:
+        """Delete children this worker owns and no longer wants (not in `desired`): its
+        PodMonitors when spec.metrics stops asking for them, the frontend's children when
+        spec.frontend goes. Only what may exist is read: PodMonitors when their CRD exists,
+        the frontend's children when status.frontend says they were made (it stays until
+        these deletes are done)."""
         name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
         if not (name and namespace and uid):
             return
-        unwanted: list[tuple[kinds.Kind, str]] = []
-        if settings.pod_monitor_crd and not wants_pod_monitor(dw.spec, settings):
-            unwanted.append((kinds.POD_MONITOR, pod_monitor_name(name)))
-        if dw.spec.frontend is None and dw.status is not None and dw.status.frontend is not None:
-            # status.frontend says a frontend was made (and stays until these deletes are
-            # done), so a worker that never had one costs no reads here. Pods first: the
-            # Deployment goes before the identity its pods use.
-            unwanted += [(kind, frontend_name(name)) for kind in FRONTEND_KINDS]
-        for kind, child in unwanted:
+        candidates: list[tuple[kinds.Kind, str]] = []
+        monitors = settings.pod_monitor_crd
+        if monitors:
+            candidates.append((kinds.POD_MONITOR, pod_monitor_name(name)))
+        if dw.status is not None and dw.status.frontend is not None:
+            # Pods first: the Deployment goes before the identity its pods use.
+            kinds_ = (kinds.POD_MONITOR, *FRONTEND_KINDS) if monitors else FRONTEND_KINDS
+            candidates += [(kind, frontend_name(name)) for kind in kinds_]
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        for kind, child in candidates:
+            if (kind.kind, child) in wanted:
+                continue
             live = await self.cluster.get(kind, namespace, child)
             if live is not None and _owned_by(live, uid):
                 await self.cluster.delete(kind, namespace, child, live["metadata"]["uid"])
