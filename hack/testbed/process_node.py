@@ -587,6 +587,8 @@ class ProcessNode:
         await asyncio.sleep(probe.spec.get("initialDelaySeconds", 0))
         threshold = probe.spec.get("failureThreshold", 3)
         while True:
+            if run.terminating:
+                return True  # as the kubelet: no startup probe once deletion is requested
             ok = await self._check(run, container, probe.spec)
             if ok == want_success:
                 return True
@@ -616,6 +618,10 @@ class ProcessNode:
     async def _liveness_loop(self, run: PodRun, container: Container, probe: Probe) -> None:
         await asyncio.sleep(probe.spec.get("initialDelaySeconds", 0))
         while True:
+            # As the kubelet: once deletion is requested, liveness stops (a draining server
+            # may answer its liveness path with 503 and must not be killed for it).
+            if run.terminating:
+                return
             if await self._check(run, container, probe.spec):
                 probe.consecutive_fail = 0
             else:

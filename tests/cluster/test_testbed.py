@@ -296,6 +296,65 @@ async def test_process_node_pod_serves_at_its_endpointslice_address(
     assert not _listening(address, port)
 
 
+# A server whose liveness path answers 200 until SIGTERM, then 503 while it "drains" for 3 s
+# and finally writes a marker file: what a draining worker does.
+_DRAINING_SERVER = """
+import http.server, signal, sys, threading, time
+draining = threading.Event()
+class Live(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503 if draining.is_set() else 200)
+        self.end_headers()
+def on_term(*_):
+    draining.set()
+    threading.Thread(target=finish).start()
+def finish():
+    time.sleep(3)
+    open(sys.argv[1], "w").write("drained")
+    server.shutdown()
+signal.signal(signal.SIGTERM, on_term)
+server = http.server.ThreadingHTTPServer(("0.0.0.0", 8080), Live)
+server.serve_forever()
+"""
+
+
+async def test_liveness_is_not_probed_once_deletion_is_requested(
+    api: client.ApiClient, testbed: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    # As the kubelet: a pod being deleted gets its grace period even when its liveness probe
+    # fails meanwhile (a draining server may answer it with 503).
+    core = client.CoreV1Api(api)
+    marker = Path(testbed.kubeconfig).parent / "e2e" / f"{namespace}-drained"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    probe = {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1, "failureThreshold": 1}
+    pod: Any = {
+        "metadata": {"name": "drainer"},
+        "spec": {
+            "tolerations": [PROCESS_NODE_TOLERATION],
+            "nodeSelector": {"dynamo.dev/node-kind": "process"},
+            "terminationGracePeriodSeconds": 30,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:3.11",
+                    "command": ["python", "-c", _DRAINING_SERVER, str(marker)],
+                    "startupProbe": {**probe, "failureThreshold": 30},
+                    "livenessProbe": probe,
+                    "readinessProbe": probe,
+                }
+            ],
+        },
+    }
+    await core.create_namespaced_pod(namespace, pod)
+    await eventually(lambda: core.read_namespaced_pod("drainer", namespace), 60, _pod_ready)
+    await core.delete_namespaced_pod("drainer", namespace)
+    await eventually(lambda: core.list_namespaced_pod(namespace), 60, until=lambda p: not p.items)
+    try:
+        assert marker.read_text() == "drained", "the pod was killed before it finished draining"
+    finally:
+        marker.unlink(missing_ok=True)
+
+
 def _listening(address: str, port: int) -> bool:
     try:
         socket.create_connection((address, port), timeout=3).close()
