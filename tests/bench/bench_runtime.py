@@ -4,7 +4,8 @@ Run: `.venv/bin/pytest -m bench -s tests/bench/bench_runtime.py`. Each prints fi
 a baseline measured in the same run; nothing is asserted about speed.
 
 1. Overhead: 8 concurrent requests x 256 tokens at zero token delay, completion tokens/s
-   through a real worker process's HTTP routes vs calling `generate` in-process.
+   through a real worker process's HTTP routes vs calling `generate` in-process, and how
+   many tokens each of the worker's writes (HTTP chunks) carried on the streamed routes.
 2. Drain: 5 streams of 40 tokens at 0.25 s/token, SIGTERM 3 s in, default shutdown
    settings: how many complete and how long the worker takes to exit.
 3. `/metrics` scrape time with 100 LoRA adapters loaded vs none.
@@ -33,7 +34,7 @@ __all__ = ["worker_factory"]
 
 CONCURRENCY = 8
 TOKENS = 256
-ROUNDS = 5
+ROUNDS = 10
 
 
 async def in_process_rate() -> float:
@@ -59,18 +60,21 @@ async def in_process_rate() -> float:
     return best
 
 
-async def _tail(response: aiohttp.ClientResponse) -> bytes:
-    """The whole body's last 4 KiB, read in large pieces (the client stays cheap, so the
-    figure measures the worker, not the benchmark's parsing)."""
+async def _tail(response: aiohttp.ClientResponse, writes: list[int]) -> bytes:
+    """The whole body's last 4 KiB, read as it arrives without parsing it (the client stays
+    cheap, so the figure measures the worker, not the benchmark); counts the HTTP chunks
+    (one per write of the worker) into `writes`."""
     tail = b""
-    async for piece in response.content.iter_chunked(1 << 16):
+    async for piece, end_of_chunk in response.content.iter_chunks():
         tail = (tail + piece)[-4096:]
+        writes[0] += end_of_chunk and bool(piece)
     return tail
 
 
-async def http_rate(url: str, route: str) -> float:
-    """Completion tokens/s through one HTTP route (best of ROUNDS); tokens are the usage the
-    worker reports in its last chunk."""
+async def http_rate(url: str, route: str) -> tuple[float, float]:
+    """Completion tokens/s through one HTTP route (best of ROUNDS) and tokens per write;
+    tokens are the usage the worker reports in its last chunk."""
+    writes = [0]
 
     async def one(session: aiohttp.ClientSession, index: int) -> int:
         if route == "generate":
@@ -79,27 +83,30 @@ async def http_rate(url: str, route: str) -> float:
                 "stop_conditions": {"max_tokens": TOKENS},
             }
             async with session.post(url + "/v1/generate", json=body) as response:
-                last = (await _tail(response)).strip().rsplit(b"\n", 1)[-1]
+                last = (await _tail(response, writes)).strip().rsplit(b"\n", 1)[-1]
                 return int(json.loads(last)["completion_usage"]["completion_tokens"])
         body = {"prompt": f"p{index}", "max_tokens": TOKENS}
         if route == "sse":
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         async with session.post(url + "/v1/completions", json=body) as response:
             if route == "sse":
-                events = (await _tail(response)).strip().split(b"\n\n")
+                events = (await _tail(response, writes)).strip().split(b"\n\n")
                 usage = json.loads(events[-2].removeprefix(b"data: "))["usage"]
                 return int(usage["completion_tokens"])
             return int((await response.json())["usage"]["completion_tokens"])
 
     best = 0.0
+    tokens = 0
     connector = aiohttp.TCPConnector(limit=CONCURRENCY)
     async with aiohttp.ClientSession(connector=connector) as session:
         await one(session, 0)  # warm up the connection pool
+        writes[0] = 0
         for _ in range(ROUNDS):
             started = time.perf_counter()
             total = sum(await asyncio.gather(*(one(session, i) for i in range(CONCURRENCY))))
             best = max(best, total / (time.perf_counter() - started))
-    return best
+            tokens += total
+    return best, tokens / max(1, writes[0])
 
 
 async def test_runtime_overhead(worker_factory: WorkerFactory) -> None:
@@ -114,8 +121,9 @@ async def test_runtime_overhead(worker_factory: WorkerFactory) -> None:
         ("sse", "/v1/completions (SSE stream)"),
         ("unary", "/v1/completions (one response)"),
     ):
-        rate = await http_rate(url, route)
-        print(f"  {label:32s} {rate:10.0f} tokens/s  ratio {rate / baseline:.3f}")
+        rate, per_write = await http_rate(url, route)
+        writes = f"  {per_write:5.1f} tokens/write" if route != "unary" else ""
+        print(f"  {label:32s} {rate:10.0f} tokens/s  ratio {rate / baseline:.3f}{writes}")
     worker.terminate()
     await worker.wait_exit()
 

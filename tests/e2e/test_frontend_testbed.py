@@ -296,7 +296,8 @@ async def test_drain_through_the_frontend(bed: Bed) -> None:
         assert status == 200, events
         assert events[-1] == "[DONE]"
         usage = [e["usage"] for e in events[:-1] if e.get("usage")]
-        assert usage and usage[-1]["completion_tokens"] == 120, events[-3:]
+        assert usage, events[-3:]
+        assert usage[-1]["completion_tokens"] == 120, events[-3:]
     # The Deployment replaces the pod; the worker is whole again.
     await bed.eventually(
         "2 ready workers", bed.worker, 120, lambda w: w["status"].get("readyReplicas") == 2

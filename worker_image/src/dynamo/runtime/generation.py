@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from dynamo.common.backend import BaseEngine
@@ -57,7 +57,7 @@ class EngineStreamer:
 
     async def stream(
         self, request: dict[str, Any], context: Context, record: InflightRequest, *, raw: bool
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Yield the engine's chunks for `request` (see the module docstring)."""
         generator = self._engine.generate(request, context)  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
@@ -94,7 +94,7 @@ class EngineStreamer:
                 except asyncio.CancelledError:
                     if not record.forced:
                         raise
-                    _uncancel()
+                    uncancel()
                     yield cancelled_terminal()
                     return
                 if raw:
@@ -112,7 +112,9 @@ class EngineStreamer:
             await _close(generator)
 
 
-def _uncancel() -> None:
+def uncancel() -> None:
+    """Take back every cancellation requested of the current task (after handling a
+    drain's forced cancellation, so the task can still finish its stream)."""
     task = asyncio.current_task()
     if task is not None:
         while task.cancelling():

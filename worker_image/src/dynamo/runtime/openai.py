@@ -13,6 +13,8 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
+
 
 class RequestError(ValueError):
     """A bad request: HTTP `status` with an OpenAI-style error body."""
@@ -217,6 +219,59 @@ def chat_chunk(
         "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
+
+
+_encoder = msgspec.json.Encoder()
+_NO_FINISH = b',"logprobs":null,"finish_reason":null}]}'
+_FINISH = b',"logprobs":null,"finish_reason":'
+_EMPTY_DELTA = b"{}"
+_CONTENT = b'{"content":'
+
+
+class ChunkTemplate:
+    """One streamed response's events, `completion_chunk` or `chat_chunk` with a text delta,
+    encoded as JSON straight into a buffer: the same bytes as encoding those dicts, but the
+    fields that never change within a response are encoded once, and no dict is built per
+    event (this runs once per generated token)."""
+
+    __slots__ = ("_chat", "_head")
+
+    def __init__(self, response_id: str, created: int, model: Any, *, chat: bool) -> None:
+        encode = _encoder.encode
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._chat = chat
+        self._head = b"".join(
+            (
+                b'{"id":',
+                encode(response_id),
+                b',"object":',
+                encode(kind),
+                b',"created":',
+                encode(created),
+                b',"model":',
+                encode(model),
+                b',"choices":[{"index":0,"delta":' if chat else b',"choices":[{"index":0,"text":',
+            )
+        )
+
+    def encode_into(self, buffer: bytearray, text: str, finish_reason: str | None) -> None:
+        """Append the event for `text` (a chat delta carries it as `content`, or is empty
+        when `text` is) and `finish_reason` to `buffer`."""
+        buffer += self._head
+        if not self._chat:
+            _encoder.encode_into(text, buffer, -1)
+        elif text:
+            buffer += _CONTENT
+            _encoder.encode_into(text, buffer, -1)
+            buffer += b"}"
+        else:
+            buffer += _EMPTY_DELTA
+        if finish_reason is None:
+            buffer += _NO_FINISH
+        else:
+            buffer += _FINISH
+            _encoder.encode_into(finish_reason, buffer, -1)
+            buffer += b"}]}"
 
 
 def usage_chunk(

@@ -8,6 +8,9 @@ Routes:
   with `"stream": true`, using the engine's `tokenizer` (and its chat template).
 * `GET /v1/models`: the base model and the loaded adapters.
 
+Streamed output is written through `dynamo.runtime.coalesce`: the engine runs in a task of
+its own and chunks that come out close together share one write.
+
 `model` picks the base model or an adapter. The token budget is enforced before the engine
 sees a request. A client that disconnects cancels its handler, which kills the request's
 context and so aborts it in the engine. While the worker drains, new requests get 503 with
@@ -18,9 +21,11 @@ context and so aborts it in the engine. While the worker drains, new requests ge
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -30,6 +35,7 @@ from dynamo.common.backend import BaseEngine
 from dynamo.common.token_budget import TokenBudget
 from dynamo.runtime import openai
 from dynamo.runtime.budget import TokenBudgetExceeded, enforce_token_budget
+from dynamo.runtime.coalesce import FLUSH_INTERVAL_SECS, OutputBuffer, write_coalesced
 from dynamo.runtime.context import Context
 from dynamo.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
 from dynamo.runtime.generation import EngineStreamer, StreamIncomplete
@@ -65,9 +71,12 @@ class RequestPlane:
         budget: TokenBudget | None = None,
         raw: bool = False,
         on_success: Callable[[], None] | None = None,
+        flush_interval: float = FLUSH_INTERVAL_SECS,
     ) -> None:
         """`on_success` is called after each request that produced output without error
-        (the canary uses it to know the engine works)."""
+        (the canary uses it to know the engine works). `flush_interval`: the least time
+        between two writes of one streamed response while chunks keep coming (see
+        `dynamo.runtime.coalesce`)."""
         self._engine = engine
         self.models = models
         self._metrics = metrics
@@ -76,6 +85,7 @@ class RequestPlane:
         self._raw = raw
         self._on_success = on_success
         self._streamer = EngineStreamer(engine)
+        self._flush_interval = flush_interval
         self._runner: web.AppRunner | None = None
 
     # ----- server ------------------------------------------------------------------------
@@ -223,22 +233,58 @@ class RequestPlane:
                 engine_request["stop_conditions"] = conditions
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        sent = 0
+        buffer = OutputBuffer()
+        produce = self._produce_ndjson(engine_request, context, record, buffer)
+        return await self._write_stream(response, buffer, produce, record)
+
+    async def _produce_ndjson(
+        self,
+        engine_request: dict[str, Any],
+        context: Context,
+        record: InflightRequest,
+        buffer: OutputBuffer,
+    ) -> bool:
+        """Encode the engine's chunks as NDJSON lines into `buffer`; False after an error
+        (which becomes the last line)."""
+        encode_into = _json.encode_into
+        chunks = self._streamer.stream(engine_request, context, record, raw=self._raw)
         try:
-            async for chunk in self._streamer.stream(
-                engine_request, context, record, raw=self._raw
-            ):
-                line = _json.encode(chunk) + b"\n"
-                sent += len(line)
-                await response.write(line)
-            self._succeeded()
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    data = buffer.data
+                    encode_into(chunk, data, -1)
+                    data += b"\n"
+                    full = buffer.added()
+                    if full is not None:
+                        await full
+            return True
         except Exception as exc:
-            line = _json.encode({"error": self._stream_error(exc)}) + b"\n"
-            sent += len(line)
-            await response.write(line)
+            data = buffer.data
+            encode_into({"error": self._stream_error(exc)}, data, -1)
+            data += b"\n"
+            buffer.added()
+            return False
+
+    async def _write_stream(
+        self,
+        response: web.StreamResponse,
+        buffer: OutputBuffer,
+        produce: Coroutine[Any, Any, bool],
+        record: InflightRequest,
+    ) -> web.StreamResponse:
+        sent = 0
+
+        def count(size: int) -> None:
+            nonlocal sent
+            sent += size
+
+        try:
+            if await write_coalesced(
+                response, buffer, produce, record, count, flush_interval=self._flush_interval
+            ):
+                self._succeeded()
         finally:
             self._metrics.response_bytes.inc(sent)
-        await response.write_eof()
         return response
 
     # ----- /v1/completions and /v1/chat/completions --------------------------------------
@@ -296,7 +342,14 @@ class RequestPlane:
             options = body.get("stream_options") or {}
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             return await self._stream_text(
-                request, events, response_id, created, model, chat=chat, include_usage=include_usage
+                request,
+                record,
+                events,
+                response_id,
+                created,
+                model,
+                chat=chat,
+                include_usage=include_usage,
             )
         text_parts: list[str] = []
         finish: str | None = None
@@ -311,6 +364,7 @@ class RequestPlane:
     async def _stream_text(
         self,
         request: web.Request,
+        record: InflightRequest,
         events: TextEvents,
         response_id: str,
         created: int,
@@ -323,38 +377,49 @@ class RequestPlane:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        sent = 0
+        buffer = OutputBuffer()
+        template = openai.ChunkTemplate(response_id, created, model, chat=chat)
+        if chat:
+            role = {"role": "assistant", "content": ""}
+            buffer.data += _sse(openai.chat_chunk(response_id, created, model, role, None))
+        usage_chunk = None
+        if include_usage:
+            usage_chunk = functools.partial(
+                openai.usage_chunk, response_id, created, model, chat=chat
+            )
+        produce = self._produce_sse(events, template, buffer, usage_chunk)
+        return await self._write_stream(response, buffer, produce, record)
 
-        async def send(data: bytes) -> None:
-            nonlocal sent
-            sent += len(data)
-            await response.write(data)
-
+    async def _produce_sse(
+        self,
+        events: TextEvents,
+        template: openai.ChunkTemplate,
+        buffer: OutputBuffer,
+        usage_chunk: Callable[..., dict[str, Any]] | None,
+    ) -> bool:
+        """Encode the text events as SSE into `buffer`, then the usage event (if asked for)
+        and `[DONE]`; False after an error (which becomes an `error` event)."""
+        encode_into = template.encode_into
         try:
-            if chat:
-                role = {"role": "assistant", "content": ""}
-                await send(_sse(openai.chat_chunk(response_id, created, model, role, None)))
-            async for text, reason in events:
-                if chat:
-                    delta = {"content": text} if text else {}
-                    event = openai.chat_chunk(response_id, created, model, delta, reason)
-                else:
-                    event = openai.completion_chunk(response_id, created, model, text, reason)
-                await send(_sse(event))
-            if include_usage:
+            async with contextlib.aclosing(events.__aiter__()) as texts:
+                async for text, reason in texts:
+                    data = buffer.data
+                    data += b"data: "
+                    encode_into(data, text, reason)
+                    data += b"\n\n"
+                    full = buffer.added()
+                    if full is not None:
+                        await full
+            if usage_chunk is not None:
                 usage = openai.usage(events.prompt_tokens, events_usage(events))
-                chunk = openai.usage_chunk(
-                    response_id, created, model, chat=chat, usage_block=usage
-                )
-                await send(_sse(chunk))
-            await send(_SSE_DONE)
-            self._succeeded()
+                buffer.data += _sse(usage_chunk(usage_block=usage))
+            buffer.data += _SSE_DONE
+            buffer.added()
+            return True
         except Exception as exc:
-            await send(b"event: error\n" + _sse({"error": self._stream_error(exc)}))
-        finally:
-            self._metrics.response_bytes.inc(sent)
-        await response.write_eof()
-        return response
+            buffer.data += b"event: error\n" + _sse({"error": self._stream_error(exc)})
+            buffer.added()
+            return False
 
     def _text_events(
         self,
@@ -387,7 +452,7 @@ class TextEvents:
 
     def __init__(
         self,
-        chunks: AsyncIterator[dict[str, Any]],
+        chunks: AsyncGenerator[dict[str, Any], None],
         context: Context,
         tokenizer: Tokenizer,
         stops: list[str],
@@ -401,10 +466,10 @@ class TextEvents:
         self.completion_tokens = 0
         self.engine_usage: dict[str, Any] | None = None
 
-    def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
+    def __aiter__(self) -> AsyncGenerator[tuple[str, str | None], None]:
         return self._events()
 
-    async def _events(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def _events(self) -> AsyncGenerator[tuple[str, str | None], None]:
         stops = self._stops
         detokenizer = self._detokenizer
         try:
@@ -427,7 +492,7 @@ class TextEvents:
                 if text:
                     yield text, None
         finally:
-            await self._chunks.aclose()  # type: ignore[attr-defined]
+            await self._chunks.aclose()
 
 
 def events_usage(events: TextEvents) -> int:

@@ -205,7 +205,7 @@ class TcpRequestPlane:
         completed = False
         try:
             chunks = self._streamer.stream(engine_request, context, record, raw=self._raw)
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if not await stream.send(to_item(chunk)):
                         break
