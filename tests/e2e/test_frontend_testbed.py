@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ from dynamo_operator.reconcile.interface import FrontendEnv
 from support.cluster import Cluster, eventually
 from support.operator_process import OperatorProcess, start_operator
 from support.tiny_model import TinyModel
-from support.upstream import ORACLE_VENV_ENV, SAMPLE_ENGINE, oracle_venv
+from support.upstream import ORACLE_VENV_ENV, SAMPLE_ENGINE, oracle_venv, post_sse
 
 pytestmark = pytest.mark.e2e
 
@@ -78,12 +77,7 @@ class Bed:
         within: float,
         until: Callable[[T], bool],
     ) -> T:
-        try:
-            return await eventually(probe, within, until, every=0.3)
-        except AssertionError as err:
-            raise AssertionError(
-                f"{what}: {err}\noperator log:\n{self.operator.log_tail(60)}"
-            ) from None
+        return await self.operator.eventually(what, probe, within, until)
 
     async def worker(self) -> dict[str, Any]:
         found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
@@ -259,18 +253,6 @@ async def test_frontend_pods_are_not_workers(bed: Bed) -> None:
     assert pod.spec.service_account_name == FRONTEND
 
 
-async def sse(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
-    """A streamed request: the status and its `data:` events (`[DONE]` kept as text)."""
-    events: list[Any] = []
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if line.startswith("data:"):
-                data = line[len("data:") :].strip()
-                events.append(data if data == "[DONE]" else json.loads(data))
-        return response.status, events
-
-
 async def test_drain_through_the_frontend(bed: Bed) -> None:
     service = await bed.core.read_namespaced_service(FRONTEND, bed.namespace)
     url = f"http://{service.spec.cluster_ip}:8000/v1/completions"
@@ -281,7 +263,7 @@ async def test_drain_through_the_frontend(bed: Bed) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    streams = [asyncio.create_task(sse(url, body)) for _ in range(5)]
+    streams = [asyncio.create_task(post_sse(url, body)) for _ in range(5)]
     # Round robin put streams on both pods; delete one of them 3 s in (SIGTERM from the
     # process node, as from a kubelet): it turns unready, leaves discovery, and must finish.
     await asyncio.sleep(3)

@@ -95,10 +95,7 @@ class Bed:
         within: float,
         until: Callable[[T], bool],
     ) -> T:
-        try:
-            return await eventually(probe, within, until, every=0.3)
-        except AssertionError as err:
-            raise AssertionError(f"{what}: {err}\n{self.context()}") from None
+        return await self.operator.eventually(what, probe, within, until)
 
     # --- objects ---------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from support.interop_engines import FAIL_AFTER_FIRST_TOKEN_SEED, FAIL_BEFORE_OUTPUT_SEED
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE, UpstreamFleet, upstream_fleet
+from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_sse, upstream_fleet
 from support.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -33,18 +33,6 @@ SERVED = "tiny-llama"
 async def post(url: str, body: Any) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
         return response.status, await response.json(content_type=None)
-
-
-async def post_sse(url: str, body: Any) -> tuple[int, list[Any]]:
-    """A streamed request: the status and the `data:` events (`[DONE]` kept as text)."""
-    events: list[Any] = []
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if line.startswith("data:"):
-                data = line[len("data:") :].strip()
-                events.append(data if data == "[DONE]" else json.loads(data))
-        return response.status, events
 
 
 async def engine_tokens(

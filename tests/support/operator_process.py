@@ -15,15 +15,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.cluster import Cluster
+from support.cluster import Cluster, eventually
 
 WRITE_VERBS = ("apply", "delete", "patch-status", "create")
 CHILD_KINDS = (
@@ -36,6 +37,7 @@ CHILD_KINDS = (
     "PodMonitor",
 )
 TEST_IMAGE = "registry.invalid/dynamo-worker:test"
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -92,6 +94,20 @@ class OperatorProcess:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
+
+    async def eventually(
+        self,
+        what: str,
+        probe: Callable[[], Awaitable[T]],
+        within: float,
+        until: Callable[[T], bool],
+    ) -> T:
+        """`support.cluster.eventually`, failing with `what` and the tail of this operator's
+        log (what it did meanwhile is usually the explanation)."""
+        try:
+            return await eventually(probe, within, until, every=0.3)
+        except AssertionError as err:
+            raise AssertionError(f"{what}: {err}\noperator log:\n{self.log_tail(80)}") from None
 
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -10,6 +10,7 @@ upstream's frontend, upstream's sample worker and our `dynamo-worker` processes,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -244,3 +245,15 @@ def upstream_fleet(tmp_path: Path) -> Iterator[UpstreamFleet]:
     fleet = UpstreamFleet(venv, tmp_path)
     yield fleet
     fleet.close()
+
+
+async def post_sse(url: str, body: Any) -> tuple[int, list[Any]]:
+    """A streamed OpenAI request: the status and the `data:` events (`[DONE]` kept as text)."""
+    events: list[Any] = []
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                data = line[len("data:") :].strip()
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return response.status, events

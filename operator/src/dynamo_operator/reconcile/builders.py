@@ -334,22 +334,41 @@ def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifes
         {**common_labels(worker), **DISCOVERY_LABELS},
         _scrape_annotations(spec, settings, wi.SYSTEM_PORT),
     )
+    deployment = _deployment(
+        dw,
+        deployment_name(worker),
+        spec.replicas,
+        selector_labels(worker),
+        {"metadata": template_metadata, "spec": pod_spec},
+    )
+    deployment["spec"]["progressDeadlineSeconds"] = PROGRESS_DEADLINE_SECONDS
+    return deployment
+
+
+def _deployment(
+    dw: DynamoWorker,
+    name: str,
+    replicas: int,
+    selector: Manifest,
+    template: Manifest,
+    labels: Manifest | None = None,
+) -> Manifest:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(dw, deployment_name(worker)),
+        "metadata": _metadata(dw, name, labels),
         "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(worker)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
             # Surge one pod and never go below the ready count: a model server takes long to
-            # load, so a rollout should not drop serving capacity while the new pod loads.
+            # load, so a rollout should not drop serving capacity while the new pod loads
+            # (and the frontend keeps serving while a new one starts).
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
-            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
-            "template": {"metadata": template_metadata, "spec": pod_spec},
+            "template": template,
         },
     }
 
@@ -570,28 +589,19 @@ def desired_frontend_deployment(
     }
     if settings.worker_image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _metadata(dw, name, FRONTEND_COMPONENT),
-        "spec": {
-            "replicas": frontend.replicas,
-            "selector": {"matchLabels": frontend_selector_labels(worker)},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
-            "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
-            "template": {
-                "metadata": _pod_metadata(
-                    frontend.pod,
-                    frontend_labels(worker),
-                    _scrape_annotations(dw.spec, settings, wi.FRONTEND_PORT),
-                ),
-                "spec": pod_spec,
-            },
-        },
-    }
+    template_metadata = _pod_metadata(
+        frontend.pod,
+        frontend_labels(worker),
+        _scrape_annotations(dw.spec, settings, wi.FRONTEND_PORT),
+    )
+    return _deployment(
+        dw,
+        name,
+        frontend.replicas,
+        frontend_selector_labels(worker),
+        {"metadata": template_metadata, "spec": pod_spec},
+        FRONTEND_COMPONENT,
+    )
 
 
 def desired_frontend_service(dw: DynamoWorker) -> Manifest:
