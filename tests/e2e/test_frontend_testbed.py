@@ -209,11 +209,18 @@ async def test_chat_through_the_frontend_service_reaches_both_workers(bed: Bed) 
         async with aiohttp.ClientSession() as session, session.get(base + "/v1/models") as r:
             return [m["id"] for m in (await r.json())["data"]]
 
+    async def instances() -> list[str]:
+        # The frontend's /health lists the worker instances it routes to.
+        async with aiohttp.ClientSession() as session, session.get(base + "/health") as r:
+            listed = (await r.json(content_type=None))["instances"]
+        return sorted(i["transport"]["tcp"].split(":")[0] for i in listed)
+
     # Discovery lists a worker once its pod is ready in the EndpointSlice and its card files
-    # were fetched; wait until both workers are routable.
+    # were fetched; wait until the model is served and both workers are routable.
     await bed.eventually("model listed", models, 60, lambda ids: SERVED in ids)
     ips = await bed.worker_pod_ips()
     assert len(ips) == 2
+    await bed.eventually("both workers routable", instances, 60, lambda found: found == ips)
     before = {ip: await requests_served(ip) for ip in ips}
     body = {
         "model": SERVED,
@@ -236,7 +243,7 @@ async def test_chat_through_the_frontend_service_reaches_both_workers(bed: Bed) 
         assert answer["usage"]["completion_tokens"] == 6
         assert answer["choices"][0]["message"]["content"]
     served = {ip: await requests_served(ip) - before[ip] for ip in ips}
-    # Round robin over both pods (discovery may have listed the second one a moment late).
+    # Round robin over both pods.
     assert sum(served.values()) == 6, served
     assert all(count >= 1 for count in served.values()), served
 
