@@ -8,7 +8,8 @@ request plane. Clients reach it at its Service's ClusterIP (the test bed's servi
 
 Steps, in order: a chat completion through the Service, answered by both workers in turn;
 the status; a drain (5 streams through the frontend, a worker pod deleted 3 s in: all 5
-complete); then removing spec.frontend removes every frontend child.
+complete); KV-aware routing (routerMode kv: repeated prompts go to the pod whose kv-events
+announced them); then removing spec.frontend removes every frontend child.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ ON_PROCESS_NODE = {
     ],
 }
 T = TypeVar("T")
+# Colour codes in the frontend's log lines (its Rust logger colours them).
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass
@@ -291,6 +294,94 @@ async def test_drain_through_the_frontend(bed: Bed) -> None:
     await bed.eventually(
         "2 ready workers", bed.worker, 120, lambda w: w["status"].get("readyReplicas") == 2
     )
+
+
+async def frontend_pod(bed: Bed) -> Any:
+    listing = await bed.core.list_namespaced_pod(
+        bed.namespace, label_selector=f"dynamo.dev/frontend={WORKER}"
+    )
+    [pod] = [p for p in listing.items if p.metadata.deletion_timestamp is None]
+    return pod
+
+
+async def kv_event_endpoints(bed: Bed) -> dict[str, str]:
+    """Pod IP -> the ZMQ endpoint of its kv-events channel, from its DynamoWorkerMetadata."""
+    found: dict[str, str] = {}
+    for pod in (
+        await bed.core.list_namespaced_pod(
+            bed.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
+        )
+    ).items:
+        record = await bed.custom.get_namespaced_custom_object(
+            "nvidia.com", "v1alpha1", bed.namespace, "dynamoworkermetadatas", pod.metadata.name
+        )
+        for channel in record["spec"]["data"]["event_channels"].values():
+            if channel["topic"] == "kv-events":
+                found[pod.status.pod_ip] = channel["transport"]["config"]["endpoint"]
+    return found
+
+
+async def generate_on(ip: str, token_ids: list[int]) -> None:
+    """One request to a worker's own HTTP route (it caches the prompt's KV blocks)."""
+    body = {"token_ids": token_ids, "stop_conditions": {"max_tokens": 1}}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://{ip}:8000/v1/generate", json=body) as response,
+    ):
+        assert response.status == 200
+        await response.read()
+
+
+async def test_kv_aware_routing_across_pods(bed: Bed, testbed: Cluster) -> None:
+    await bed.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER,
+        {"spec": {"frontend": {"routerMode": "kv"}}}, **MERGE,
+    )  # fmt: skip
+
+    async def kv_frontend() -> Any:
+        pod = await frontend_pod(bed)
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+        return pod if env.get("DYN_ROUTER_MODE") == "kv" and ready else None
+
+    pod = await bed.eventually("a kv-mode frontend", kv_frontend, 120, lambda p: p is not None)
+    ips = await bed.worker_pod_ips()
+    endpoints = await bed.eventually(
+        "kv-events channels", lambda: kv_event_endpoints(bed), 30, lambda e: len(e) == 2
+    )
+    # The frontend subscribes to each worker's kv-events over the pod network; events sent
+    # before that are lost, so wait for its log to say so (the process node keeps the log).
+    log = Path(testbed.kubeconfig).parent / "pods" / pod.metadata.uid / "main.log"
+
+    async def subscribed() -> set[str]:
+        text = ANSI_ESCAPE.sub("", await asyncio.to_thread(log.read_text))
+        return {e for e in endpoints.values() if f'endpoint="{e}" topic="kv-events"' in text}
+
+    await bed.eventually(
+        "subscribed to both kv-events", subscribed, 60, lambda found: len(found) == 2
+    )
+    service = await bed.core.read_namespaced_service(FRONTEND, bed.namespace)
+    url = f"http://{service.spec.cluster_ip}:8000/v1/completions"
+    # Each worker caches other prompts (4 blocks of 16 tokens each), through its own route:
+    # the router learns of them only from the workers' kv-events.
+    prompts = {
+        ip: [[100 + 50 * index + 7 * n + j % 40 for j in range(64)] for n in range(3)]
+        for index, ip in enumerate(ips)
+    }
+    for ip, worker_prompts in prompts.items():
+        for prompt in worker_prompts:
+            await generate_on(ip, prompt)
+    routed = []
+    for ip, worker_prompts in prompts.items():
+        for prompt in worker_prompts:
+            before = {w: await requests_served(w) for w in ips}
+            body = {"model": SERVED, "prompt": prompt, "max_tokens": 2}
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+                assert r.status == 200, await r.text()
+            after = {w: await requests_served(w) for w in ips}
+            routed.append((ip, [w for w in ips if after[w] > before[w]]))
+    # Random placement would get all six right one time in 64.
+    assert routed == [(ip, [ip]) for ip in ips for _ in range(3)], routed
 
 
 async def test_removing_the_frontend_removes_its_children(bed: Bed) -> None:
