@@ -6,8 +6,10 @@ it land here), renews its Lease, and for each pod bound to it: allocates a pod I
 the pod's network namespace, resolves the env (values, downward-API fields, Secret and
 ConfigMap keys), mounts a bound service-account token, runs each container's command, runs
 its probes, writes the pod's status through `pods/status`, restarts exited containers per the
-restart policy, and on deletion sends SIGTERM, waits the grace period, SIGKILLs, removes the
-namespace and finalizes the pod. Images are ignored: a container must name its command.
+restart policy, honours readiness gates (Ready waits for each gate's condition, which a
+controller writes and this agent never overwrites), and on deletion sends SIGTERM, waits the
+grace period, SIGKILLs, removes the namespace and finalizes the pod. Images are ignored: a
+container must name its command.
 
 Run it as `python -m testbed.process_node` (hack/cluster does).
 """
@@ -194,6 +196,10 @@ class PodRun:
     start_time: str = field(default_factory=_now)
     terminating: bool = False
     status_dirty: asyncio.Event = field(default_factory=asyncio.Event)
+    # `spec.readinessGates` condition types, and the latest status of each as some controller
+    # wrote it into `status.conditions` (absent: not written yet, which counts as False).
+    readiness_gates: tuple[str, ...] = ()
+    gate_statuses: dict[str, str] = field(default_factory=dict)
 
 
 class ProcessNode:
@@ -319,6 +325,20 @@ class ProcessNode:
             return
         if run is None and (pod.status.phase or "Pending") == "Pending":
             await self.start_pod(pod)
+        elif run is not None:
+            self._observe_gates(run, pod)
+
+    def _observe_gates(self, run: PodRun, pod: client.V1Pod) -> None:
+        """Keep the statuses of the pod's readiness-gate conditions (written by controllers,
+        never by this agent) and recompute Ready when one changed."""
+        if not run.readiness_gates:
+            return
+        statuses = {
+            c.type: c.status for c in pod.status.conditions or [] if c.type in run.readiness_gates
+        }
+        if statuses != run.gate_statuses:
+            run.gate_statuses = statuses
+            run.status_dirty.set()
 
     async def start_pod(self, pod: client.V1Pod) -> None:
         meta = pod.metadata
@@ -328,6 +348,8 @@ class ProcessNode:
         netns = await asyncio.to_thread(network.create_pod_network, meta.uid, pod_ip)
         raw = self.api.sanitize_for_serialization(pod)
         run = PodRun(meta.namespace, meta.name, meta.uid, pod_ip, netns, directory)
+        run.readiness_gates = tuple(g.condition_type for g in pod.spec.readiness_gates or [])
+        self._observe_gates(run, pod)
         self.pods[meta.uid] = run
         log.info("pod %s/%s: ip %s netns %s", meta.namespace, meta.name, pod_ip, netns)
         try:
@@ -680,7 +702,10 @@ class ProcessNode:
     # --- status --------------------------------------------------------------------------
 
     async def status_writer(self, run: PodRun) -> None:
-        """Write the pod's status whenever something changed (coalescing bursts)."""
+        """Write the pod's status whenever something changed (coalescing bursts).
+
+        A dict body goes out as a strategic merge patch, which merges `status.conditions` by
+        `type`: the conditions other writers own (readiness gates) stay as they are."""
         last: dict[str, Any] | None = None
         while True:
             await run.status_dirty.wait()
@@ -728,7 +753,8 @@ class ProcessNode:
             if c.last_terminated:
                 entry["lastState"] = {"terminated": c.last_terminated}
             statuses.append(entry)
-        all_ready = bool(run.containers) and all(c.ready for c in run.containers)
+        unready = [c.name for c in run.containers if not c.ready]
+        all_ready = bool(run.containers) and not unready
         done = bool(run.containers) and all(c.terminated for c in run.containers)
         if done:
             failed = any(c.terminated and c.terminated["exitCode"] != 0 for c in run.containers)
@@ -738,9 +764,31 @@ class ProcessNode:
         else:
             phase = "Pending"
 
-        def cond(kind: str, ok: bool) -> dict[str, str]:
-            return {"type": kind, "status": "True" if ok else "False"}
+        def cond(
+            kind: str, ok: bool, reason: str | None = None, message: str | None = None
+        ) -> dict[str, str | None]:
+            # reason and message always go out, null when unset: a merge patch keeps the
+            # fields it does not name, so a stale reason would outlive its condition.
+            return {
+                "type": kind,
+                "status": "True" if ok else "False",
+                "reason": None if ok else reason,
+                "message": None if ok else message,
+            }
 
+        unready_message = f"containers with unready status: [{' '.join(unready)}]"
+        containers_ready = cond("ContainersReady", all_ready, "ContainersNotReady", unready_message)
+        # As the kubelet: Ready is ContainersReady, then held back by any readiness gate whose
+        # condition is not True.
+        gates_held = self._gate_messages(run)
+        if not all_ready:
+            ready = cond("Ready", False, "ContainersNotReady", unready_message)
+        elif run.terminating:
+            ready = cond("Ready", False)
+        elif gates_held:
+            ready = cond("Ready", False, "ReadinessGatesNotReady", ", ".join(gates_held))
+        else:
+            ready = cond("Ready", True)
         return {
             "phase": phase,
             "hostIP": GATEWAY_IP,
@@ -751,11 +799,28 @@ class ProcessNode:
             "conditions": [
                 cond("PodReadyToStartContainers", True),
                 cond("Initialized", True),
-                cond("ContainersReady", all_ready),
-                cond("Ready", all_ready and not run.terminating),
+                containers_ready,
+                ready,
             ],
             "containerStatuses": statuses,
         }
+
+    @staticmethod
+    def _gate_messages(run: PodRun) -> list[str]:
+        """Why each readiness gate holds Ready back (the kubelet's wording); empty when all
+        gates' conditions are True."""
+        messages = []
+        for gate in run.readiness_gates:
+            status = run.gate_statuses.get(gate)
+            if status is None:
+                messages.append(
+                    f'corresponding condition of pod readiness gate "{gate}" does not exist.'
+                )
+            elif status != "True":
+                messages.append(
+                    f'the status of pod readiness gate "{gate}" is not "True", but {status}'
+                )
+        return messages
 
     # --- termination ---------------------------------------------------------------------
 

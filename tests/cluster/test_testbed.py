@@ -296,6 +296,106 @@ async def test_process_node_pod_serves_at_its_endpointslice_address(
     assert not _listening(address, port)
 
 
+GATE = "example.com/gate"
+
+
+def _status(pod: client.V1Pod, kind: str) -> str | None:
+    found = next((c for c in pod.status.conditions or [] if c.type == kind), None)
+    return None if found is None else str(found.status)
+
+
+def _ready_condition(pod: client.V1Pod) -> client.V1PodCondition:
+    found = next((c for c in pod.status.conditions or [] if c.type == "Ready"), None)
+    assert found is not None, f"no Ready condition: {pod.status.conditions}"
+    return found
+
+
+async def test_readiness_gate_holds_ready_until_its_condition_is_true(
+    api: client.ApiClient, testbed: Cluster, namespace: str
+) -> None:
+    """As the kubelet: Ready needs ContainersReady and every readiness gate's condition True;
+    the gate condition, which a controller writes, survives the node's own status writes."""
+    core, discovery = client.CoreV1Api(api), client.DiscoveryV1Api(api)
+    # The readiness probe reads /ready from a directory the test controls (a pod's processes
+    # see the host's files), so the test can flip the container's readiness.
+    served = Path(testbed.kubeconfig).parent / "e2e" / f"{namespace}-gated"
+    served.mkdir(parents=True, exist_ok=True)
+    (served / "ready").write_text("ok")
+    pod = _http_server_pod("gated", 8080)
+    pod["spec"]["readinessGates"] = [{"conditionType": GATE}]
+    container = pod["spec"]["containers"][0]
+    container["command"] = ["python", "-m", "http.server", "8080", "--directory", str(served)]
+    container["readinessProbe"] = {
+        "httpGet": {"path": "/ready", "port": "http"},
+        "periodSeconds": 1,
+        "failureThreshold": 1,
+    }
+    service: Any = {
+        "metadata": {"name": "gated"},
+        "spec": {"selector": {"app": "gated"}, "ports": [{"port": 80, "targetPort": "http"}]},
+    }
+    await core.create_namespaced_service(namespace, service)
+    await core.create_namespaced_pod(namespace, pod)
+
+    def read() -> Any:
+        return core.read_namespaced_pod("gated", namespace)
+
+    async def set_gate(status: str) -> None:
+        body: Any = {"status": {"conditions": [{"type": GATE, "status": status}]}}
+        await core.patch_namespaced_pod_status("gated", namespace, body)
+
+    async def endpoint_ready() -> bool | None:
+        slices = await discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector="kubernetes.io/service-name=gated"
+        )
+        for s in slices.items:
+            for endpoint in s.endpoints or []:
+                return bool(endpoint.conditions.ready)
+        return None
+
+    try:
+        # Containers ready, the gate's condition absent: not Ready.
+        held = await eventually(read, 90, until=lambda p: _status(p, "ContainersReady") == "True")
+        ready = _ready_condition(held)
+        assert ready.status == "False", ready
+        assert ready.reason == "ReadinessGatesNotReady", ready
+        assert f'"{GATE}" does not exist' in str(ready.message), ready
+        assert await eventually(endpoint_ready, 30, until=lambda r: r is not None) is False
+
+        # The controller sets the gate: Ready, and the endpoint with it.
+        await set_gate("True")
+        opened = await eventually(read, 30, until=lambda p: _status(p, "Ready") == "True")
+        ready = _ready_condition(opened)
+        # The reason it was held back went with it (not left behind by the merge).
+        assert ready.reason is None, ready
+        assert ready.message is None, ready
+        await eventually(endpoint_ready, 30, until=lambda r: r is True)
+
+        # The container turns unready and ready again: the node writes its conditions twice
+        # and the gate's condition stays as the controller wrote it.
+        (served / "ready").unlink()
+        flipped = await eventually(read, 30, until=lambda p: _status(p, "Ready") == "False")
+        assert _status(flipped, "ContainersReady") == "False"
+        assert _ready_condition(flipped).reason == "ContainersNotReady"
+        assert _status(flipped, GATE) == "True"
+        (served / "ready").write_text("ok")
+        back = await eventually(read, 30, until=lambda p: _status(p, "Ready") == "True")
+        assert _status(back, GATE) == "True"
+
+        # The controller clears the gate: not Ready, though the containers still are.
+        await set_gate("False")
+        closed = await eventually(read, 30, until=lambda p: _status(p, "Ready") == "False")
+        assert _status(closed, "ContainersReady") == "True"
+        ready = _ready_condition(closed)
+        assert ready.reason == "ReadinessGatesNotReady", ready
+        assert f'"{GATE}" is not "True", but False' in str(ready.message), ready
+        assert _status(closed, GATE) == "False"
+        await eventually(endpoint_ready, 30, until=lambda r: r is False)
+    finally:
+        (served / "ready").unlink(missing_ok=True)
+        served.rmdir()
+
+
 # A server whose liveness path answers 200 until SIGTERM, then 503 while it "drains" for 3 s
 # and finally writes a marker file: what a draining worker does.
 _DRAINING_SERVER = """

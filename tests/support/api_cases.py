@@ -127,7 +127,6 @@ FULL_LORA_ADAPTER = lora_adapter(
         "adapterName": "sql-expert.v2",
         "source": {"uri": "hf://org/sql-lora@refs/pr/7", "sha256": "a" * 64},
         "placement": {"policy": "Count", "replicas": 2},
-        "requiredForReadiness": True,
     },
 )
 _VALID = [
@@ -155,6 +154,7 @@ _VALID = [
     ("lora-full", FULL_LORA_ADAPTER),
     ("lora-hf-bare-repo", lora_adapter(spec={"source": {"uri": "hf://gpt2-lora@main"}})),
     ("lora-file", lora_adapter(spec={"source": {"uri": "file:///adapters/sql"}})),
+    ("lora-required", lora_adapter(spec={"requiredForReadiness": True})),
 ]
 
 
@@ -377,6 +377,14 @@ _INVALID = [
         lora_adapter(spec={"placement": {"policy": "Count"}}),
         "spec.placement.replicas",
         "spec.placement.replicas is required when spec.placement.policy is Count",
+    ),
+    Invalid(
+        "lora-required-with-count",
+        lora_adapter(
+            spec={"requiredForReadiness": True, "placement": {"policy": "Count", "replicas": 1}}
+        ),
+        "spec.requiredForReadiness",
+        "spec.requiredForReadiness needs spec.placement.policy AllReplicas",
     ),
     Invalid(
         "lora-replicas-without-count",

@@ -299,6 +299,9 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
         suffix = "/status" if method == "patch_status" else ""
         group = kind.api_version.rpartition("/")[0]
         need.add((group, kind.plural + suffix, verbs[method], ()))
+    # The LoRA-adapters readiness gate, set on worker pods (a strategic merge patch).
+    assert "patch_pod_conditions(" in source
+    need.add(("", "pods/status", "patch", ()))
     assert "create_event(" in source
     need.add(("events.k8s.io", "events", "create", ()))  # the reconciler's Events
     need.add(("", "events", "create", ()))  # kopf posts core/v1 Events (posting is on)

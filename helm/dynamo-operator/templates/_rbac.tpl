@@ -34,6 +34,11 @@ rules against the code.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+# Worker pod status: only the condition of the LoRA-adapters readiness gate
+# (dynamo.dev/lora-adapters-ready), while a LoRAAdapter with requiredForReadiness targets them.
+- apiGroups: [""]
+  resources: ["pods/status"]
+  verbs: ["patch"]
 # The worker and frontend Deployments: read before applying (no write when unchanged),
 # server-side applied (an apply that creates the object needs create as well as patch),
 # watched to reconcile when a rollout progresses, and the frontend's deleted when

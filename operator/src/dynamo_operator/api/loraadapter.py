@@ -131,8 +131,11 @@ class LoRAAdapterSpec(ApiModel):
     required_for_readiness: bool = Field(
         default=False,
         description=(
-            "Reserved, not enforced yet: gating pod readiness on this adapter needs pod "
-            "readiness gates, which the operator does not set up yet."
+            "Worker pods report Ready (and so get traffic, from a Service or upstream's "
+            "frontend) only once this adapter is loaded on them. While such an adapter "
+            "targets a DynamoWorker, its pods carry the readiness gate "
+            "dynamo.dev/lora-adapters-ready (adding or removing the gate rolls the pods once). "
+            "Needs placement policy AllReplicas."
         ),
     )
 
@@ -141,6 +144,14 @@ class LoRAAdapterSpec(ApiModel):
             rule="has(self.workerRef) != has(self.workerSelector)",
             message="spec: set exactly one of workerRef or workerSelector",
             check=lambda s: (s.worker_ref is None) != (s.worker_selector is None),
+        ),
+        Rule(
+            rule="!has(self.requiredForReadiness) || !self.requiredForReadiness"
+            " || !has(self.placement) || self.placement.policy == 'AllReplicas'",
+            message="spec.requiredForReadiness needs spec.placement.policy AllReplicas (a pod "
+            "that is not chosen to load the adapter would never become ready)",
+            check=lambda s: not s.required_for_readiness or s.placement.policy == "AllReplicas",
+            field_path=".requiredForReadiness",
         ),
         Rule(
             rule=_unchanged("workerRef"),

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.handlers.context import OperatorContext
 from dynamo_operator.reconcile.labels import MANAGED_BY, WORKER_LABEL
+from dynamo_operator.reconcile.lora import AdapterRef, WorkerInfo, required_adapters
 from dynamo_operator.reconcile.observed import PodSummary
 from dynamo_operator.reconcile.worker import TransientError
 
@@ -51,16 +52,17 @@ def _first(values: Iterable[Any] | None) -> Any:
 
 
 async def reconcile_now(
-    body: kopf.Body,
-    memo: OperatorContext,
-    worker_pods: kopf.Index[tuple[str, str], PodSummary],
-    worker_metadata: kopf.Index[tuple[str, str], DynamoWorkerMetadata],
-    *,
-    full: bool = True,
+    body: kopf.Body, memo: OperatorContext, indices: dict[str, Any], *, full: bool = True
 ) -> None:
-    """Reconcile one DynamoWorker with what the indices hold; raises TransientError.
-    `full=False`: a status refresh after child events (see `WorkerReconciler.reconcile`)."""
+    """Reconcile one DynamoWorker with what the indices (kopf's, by id) hold; raises
+    TransientError. `full=False`: a status refresh after child events (see
+    `WorkerReconciler.reconcile`)."""
+    worker_pods: kopf.Index[tuple[str, str], PodSummary] = indices["worker_pods"]
+    worker_metadata: kopf.Index[tuple[str, str], DynamoWorkerMetadata] = indices["worker_metadata"]
+    adapters: kopf.Index[str, AdapterRef] = indices["lora_adapters"]
     namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+    worker = WorkerInfo(name=name, labels=dict(body.metadata.labels or {}))
+    required = required_adapters(worker, list(adapters.get(namespace, [])))
     pods = list(worker_pods.get((namespace, name), []))
     metadata = {}
     for pod in pods:
@@ -70,7 +72,9 @@ async def reconcile_now(
     started = time.monotonic()
     async with memo.lock(namespace, name):
         try:
-            outcome = await memo.services.reconciler.reconcile(body, pods, metadata, full=full)
+            outcome = await memo.services.reconciler.reconcile(
+                body, pods, metadata, full=full, required=required
+            )
         except Exception:
             memo.metrics.reconcile_errors.labels(kind=KIND).inc()
             raise
@@ -122,9 +126,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
         memo: OperatorContext,
         **kwargs: Any,
     ) -> None:
-        worker_pods, worker_metadata = kwargs["worker_pods"], kwargs["worker_metadata"]
         try:
-            await reconcile_now(body, memo, worker_pods, worker_metadata)
+            await reconcile_now(body, memo, kwargs)
         except TransientError as err:
             raise kopf.TemporaryError(str(err), delay=RETRY_DELAY_SECONDS) from err
 
@@ -140,7 +143,6 @@ def register(registry: kopf.OperatorRegistry) -> None:
         stopped: kopf.DaemonStopped,
         **kwargs: Any,
     ) -> None:
-        worker_pods, worker_metadata = kwargs["worker_pods"], kwargs["worker_metadata"]
         namespace = _namespace(namespace)
         trigger = memo.trigger_event(namespace, name)
         memo.metrics.managed_objects.labels(kind=KIND).inc()
@@ -160,7 +162,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
                 if full:
                     last_full = time.monotonic()
                 try:
-                    await reconcile_now(body, memo, worker_pods, worker_metadata, full=full)
+                    await reconcile_now(body, memo, kwargs, full=full)
                 except TransientError as err:
                     log.warning("DynamoWorker %s/%s: will retry: %s", namespace, name, err)
                 except Exception:

@@ -67,9 +67,26 @@ class _Indices:
 
     def pods_of(self, worker: str) -> Sequence[Pod]:
         return [
-            Pod(name=p.name, worker=worker, ip=p.ip, ready=p.ready, terminating=p.terminating)
+            # Containers ready, not pod Ready: a pod whose readiness waits for its required
+            # adapters (the readiness gate) must still get them.
+            Pod(
+                name=p.name,
+                worker=worker,
+                ip=p.ip,
+                ready=p.containers_ready,
+                terminating=p.terminating,
+            )
             for p in self._pods.get((self.namespace, worker), [])
         ]
+
+    def workers_targeted_by(self, body: kopf.Body) -> list[str]:
+        """The DynamoWorkers the LoRAAdapter `body` targets (none when it is unreadable)."""
+        try:
+            adapter = LoRAAdapter.model_validate({**dict(body), "status": None})
+        except ValidationError:
+            return []
+        ref = AdapterRef.of(adapter)
+        return [w.name for w in self.workers() if ref.targets(w)]
 
     def adapters_targeting(self, worker: str) -> list[str]:
         known = {w.name: w for w in self.workers()}
@@ -122,7 +139,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         except ValidationError as err:
             log.warning("Ignoring unreadable LoRAAdapter %s: %s", name, err)
             return {}
-        return {_namespace(namespace): AdapterRef.of(adapter)}
+        return {_namespace(namespace): AdapterRef.of(adapter, body.get("status"))}
 
     @kopf.daemon(
         *LORA,
@@ -160,12 +177,22 @@ def register(registry: kopf.OperatorRegistry) -> None:
     @kopf.on.event(*LORA, id="lora_changed", registry=registry)
     async def lora_changed(
         event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str | None,
-        memo: OperatorContext, **_: Any,
+        memo: OperatorContext, **kwargs: Any,
     ) -> None:  # fmt: skip
+        if event.get("type") is None:
+            return  # the initial listing: every daemon reconciles on start anyway
+        namespace = _namespace(namespace)
         # A spec change (a new generation); our own status writes do not trigger.
         observed = (body.get("status") or {}).get("observedGeneration")
-        if event.get("type") == "MODIFIED" and observed != body.metadata.get("generation"):
-            memo.trigger_lora(_namespace(namespace), name)
+        spec_changed = observed != body.metadata.get("generation")
+        if event.get("type") == "MODIFIED" and spec_changed:
+            memo.trigger_lora(namespace, name)
+        # The readiness gate of the workers it targets follows a required adapter's per-pod
+        # states (its status), and whether there is one at all (its spec, its deletion).
+        required = bool((body.get("spec") or {}).get("requiredForReadiness"))
+        if required or spec_changed or event.get("type") == "DELETED":
+            for worker in _Indices(namespace, kwargs).workers_targeted_by(body):
+                memo.trigger(namespace, worker)
 
     @kopf.on.delete(*LORA, id="lora_unload", registry=registry)
     async def lora_unload(

@@ -16,13 +16,13 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from dynamo_operator.k8s.kinds import CRD, EVENT, Kind, kind_of
+from dynamo_operator.k8s.kinds import CRD, EVENT, POD, Kind, kind_of
 from dynamo_operator.metrics import WRITE_VERBS, OperatorMetrics
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ FIELD_MANAGER = "dynamo-operator"
 CRASH_EXIT_CODE = 86
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 JSON = "application/json"
 
 
@@ -208,6 +209,21 @@ class Cluster:
         )
         self._after_write(kind)
         return result
+
+    async def patch_pod_conditions(
+        self, namespace: str, name: str, conditions: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Set pod status conditions by type (a strategic merge patch: the kubelet's own
+        conditions stay, unlike with a merge patch, which would replace the list)."""
+        self._count("patch-status", POD)
+        await self._call(
+            "PATCH",
+            POD.path(namespace, name) + "/status",
+            f"patch Pod {name} status",
+            body={"status": {"conditions": [dict(c) for c in conditions]}},
+            content_type=STRATEGIC_MERGE_PATCH,
+        )
+        self._after_write(POD)
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """Record an events.k8s.io/v1 Event."""

@@ -16,6 +16,7 @@ from dynamo_operator.reconcile import interface as wi
 from dynamo_operator.reconcile.errors import SpecError
 from dynamo_operator.reconcile.interface import Env, FrontendEnv
 from dynamo_operator.reconcile.labels import (
+    ADAPTERS_READY_GATE,
     DISCOVERY_LABELS,
     common_labels,
     deployment_name,
@@ -289,8 +290,11 @@ def worker_image(dw: DynamoWorker, settings: ReconcileSettings) -> str:
     return image
 
 
-def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifest:
-    """The Deployment of worker pods (container `main` running `dynamo-worker`)."""
+def desired_deployment(
+    dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
+) -> Manifest:
+    """The Deployment of worker pods (container `main` running `dynamo-worker`); with the
+    LoRA-adapters readiness gate when `adapters_gate` (see `reconcile.adapter_gate`)."""
     worker, _, _ = _identity(dw)
     spec = dw.spec
     env = _worker_env(dw)
@@ -328,6 +332,8 @@ def desired_deployment(dw: DynamoWorker, settings: ReconcileSettings) -> Manifes
     }
     if settings.worker_image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
+    if adapters_gate:
+        pod_spec["readinessGates"] = [{"conditionType": ADAPTERS_READY_GATE}]
     pod_spec.update(_scheduling(spec.pod))
     template_metadata = _pod_metadata(
         spec.pod,
@@ -655,7 +661,9 @@ def desired_frontend_children(dw: DynamoWorker, settings: ReconcileSettings) -> 
     return children
 
 
-def desired_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Manifest]:
+def desired_children(
+    dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
+) -> list[Manifest]:
     """Every child the worker should have, in apply order: identity and permissions before
     the pods that use them. The PodMonitor only when its CRD exists; the frontend's children
     last (when spec.frontend is set)."""
@@ -665,7 +673,7 @@ def desired_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Mani
         desired_role_binding(dw),
         desired_service(dw),
         desired_pdb(dw),
-        desired_deployment(dw, settings),
+        desired_deployment(dw, settings, adapters_gate=adapters_gate),
     ]
     if wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
         children.append(desired_pod_monitor(dw))

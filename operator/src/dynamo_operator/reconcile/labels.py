@@ -23,6 +23,10 @@ DISCOVERY_LABELS = {
     "nvidia.com/dynamo-discovery-enabled": "true",
 }
 OWNER_KIND = "DynamoWorker"
+# The pod readiness gate for LoRAAdapters with requiredForReadiness: worker pods carry it
+# while such an adapter targets their DynamoWorker, and the operator sets the condition per
+# pod (True once every such adapter is loaded there).
+ADAPTERS_READY_GATE = f"{PREFIX}lora-adapters-ready"
 
 
 def common_labels(worker: str) -> dict[str, str]:

@@ -368,10 +368,16 @@ class AdapterRef:
     adapter_name: str
     worker_ref: str | None
     selector: LabelSelector | None
+    # spec.requiredForReadiness, and the pods its status lists as Loaded (for the gate).
+    required: bool = False
+    loaded_on: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, adapter: LoRAAdapter) -> AdapterRef:
+    def of(cls, adapter: LoRAAdapter, status: Mapping[str, Any] | None = None) -> AdapterRef:
+        """The reference to `adapter`; `status` is its raw status, read for the pods it is
+        loaded on."""
         spec = adapter.spec
+        pods = [p for p in (status or {}).get("pods") or [] if isinstance(p, dict)]
         return cls(
             name=adapter.metadata.name or "",
             uid=adapter.metadata.uid or "",
@@ -379,12 +385,23 @@ class AdapterRef:
             adapter_name=adapter.adapter_name or "",
             worker_ref=spec.worker_ref.name if spec.worker_ref is not None else None,
             selector=spec.worker_selector,
+            required=spec.required_for_readiness,
+            loaded_on=frozenset(
+                str(p.get("pod"))
+                for p in pods
+                if isinstance(p, dict) and p.get("state") == "Loaded"
+            ),
         )
 
     def targets(self, worker: WorkerInfo) -> bool:
         if self.worker_ref is not None:
             return worker.name == self.worker_ref
         return self.selector is not None and selector_matches(self.selector, worker.labels)
+
+
+def required_adapters(worker: WorkerInfo, adapters: Sequence[AdapterRef]) -> list[AdapterRef]:
+    """The LoRAAdapters with requiredForReadiness that target `worker`, by name."""
+    return sorted((a for a in adapters if a.required and a.targets(worker)), key=lambda a: a.name)
 
 
 def target_workers(ref: AdapterRef, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:

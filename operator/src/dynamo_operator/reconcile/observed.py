@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from dynamo_operator.reconcile.labels import ADAPTERS_READY_GATE
+
 
 class PodProblem(StrEnum):
     """Why a pod cannot serve, grouped by what the user does about it."""
@@ -46,13 +48,20 @@ class PodSummary:
     problem: PodProblem | None = None
     problem_detail: str = ""
     restarts: int = 0
+    # Its containers are ready (Ready also needs its readiness gates).
+    containers_ready: bool = False
+    # It carries the LoRA-adapters readiness gate, and that condition's status (None: unset).
+    gated: bool = False
+    gate_status: str | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodSummary:
         meta = pod.get("metadata") or {}
         status = pod.get("status") or {}
         conditions = status.get("conditions") or []
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        by_type = {c.get("type"): c.get("status") for c in conditions}
+        ready = by_type.get("Ready") == "True"
+        gates = (pod.get("spec") or {}).get("readinessGates") or []
         problem, detail = _problem(conditions, status.get("containerStatuses") or [])
         restarts = sum(
             int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []
@@ -66,6 +75,9 @@ class PodSummary:
             problem=problem,
             problem_detail=detail,
             restarts=restarts,
+            containers_ready=by_type.get("ContainersReady") == "True",
+            gated=any(g.get("conditionType") == ADAPTERS_READY_GATE for g in gates),
+            gate_status=by_type.get(ADAPTERS_READY_GATE),
         )
 
 

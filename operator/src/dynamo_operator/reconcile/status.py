@@ -158,11 +158,15 @@ def _ready(desired: int, ready: int, frontend_desired: int | None, observed: Obs
         if frontend is not None:
             return _Wanted(t, "False", "WaitingForFrontend", f"{frontend}; see status.frontend")
         return _Wanted(t, "True", "AllReplicasReady", f"{ready} of {desired} pods are ready")
-    hint = (
-        "; see the Degraded condition"
-        if any(p.problem for p in observed.pods)
-        else "; pods load the model before they report ready"
-    )
+    if any(p.problem for p in observed.pods):
+        hint = "; see the Degraded condition"
+    elif any(p.gated and p.containers_ready and not p.ready for p in observed.pods):
+        hint = (
+            "; pods wait for the LoRAAdapters with requiredForReadiness to load "
+            "(see `kubectl get lora`)"
+        )
+    else:
+        hint = "; pods load the model before they report ready"
     return _Wanted(t, "False", "WaitingForPods", f"{ready} of {desired} pods are ready{hint}")
 
 

@@ -27,6 +27,7 @@ from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError, Cluster
+from dynamo_operator.reconcile.adapter_gate import wanted_condition
 from dynamo_operator.reconcile.builders import (
     POD_MONITOR_CRD,
     desired_children,
@@ -36,6 +37,7 @@ from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
 from dynamo_operator.reconcile.errors import ReconcileError, SpecError
 from dynamo_operator.reconcile.events import event_manifest, transitions
 from dynamo_operator.reconcile.labels import deployment_name, frontend_name, pod_monitor_name
+from dynamo_operator.reconcile.lora import AdapterRef
 from dynamo_operator.reconcile.observed import PodSummary
 from dynamo_operator.reconcile.settings import ReconcileSettings
 from dynamo_operator.reconcile.status import Observed, compute_status, normalized_status
@@ -134,6 +136,7 @@ class WorkerReconciler:
         metadata: Mapping[str, DynamoWorkerMetadata] | None = None,
         *,
         full: bool = True,
+        required: Sequence[AdapterRef] = (),
     ) -> Outcome:
         """One reconcile of the DynamoWorker `body` (as the watch delivers it), given its pods
         and their DynamoWorkerMetadata. Raises TransientError when it should be retried.
@@ -141,6 +144,9 @@ class WorkerReconciler:
         `full=False` checks only the Deployment among the children: the refresh a pod or
         Deployment event asks for (a rollout makes many), where the other children cannot
         have changed; they are checked by the next full pass (a spec change, a resync).
+
+        `required` are the LoRAAdapters with requiredForReadiness that target this worker:
+        while there are any, its pods carry the adapters' readiness gate, set per pod here.
         """
         metadata = metadata or {}
         meta = body.get("metadata") or {}
@@ -151,7 +157,8 @@ class WorkerReconciler:
             return await self._invalid(meta, raw_status, _spec_error_text(err))
         settings = await self._settings()
         try:
-            desired = [stamped(m) for m in desired_children(dw, settings)]
+            children = desired_children(dw, settings, adapters_gate=bool(required))
+            desired = [stamped(m) for m in children]
             if not full:
                 desired = [m for m in desired if m["kind"] == "Deployment"]
         except SpecError as err:
@@ -184,6 +191,7 @@ class WorkerReconciler:
         if full:
             await self._remove_unwanted(dw, settings, desired)
 
+        await self._sync_gates(dw, pods, required, transient)
         failures: dict[str, str] = {}
         if self.taints is not None and dw.metadata.namespace and dw.metadata.name:
             failures = self.taints.sync(
@@ -246,6 +254,25 @@ class WorkerReconciler:
             return _ChildResult(await self.cluster.apply(manifest), applied=True)
         except ApiError as err:
             return _ChildResult(live, error=err)
+
+    async def _sync_gates(
+        self,
+        dw: DynamoWorker,
+        pods: Sequence[PodSummary],
+        required: Sequence[AdapterRef],
+        transient: list[str],
+    ) -> None:
+        """Set the LoRA-adapters gate condition on each gated pod whose condition lags."""
+        namespace = dw.metadata.namespace or ""
+        for pod in pods:
+            condition = wanted_condition(pod, required, self.clock())
+            if condition is None:
+                continue
+            try:
+                await self.cluster.patch_pod_conditions(namespace, pod.name, [condition])
+            except ApiError as err:
+                if err.status != 404:  # a pod deleted meanwhile needs nothing
+                    transient.append(f"Pod {pod.name} readiness gate: {err.message}")
 
     async def _remove_unwanted(
         self, dw: DynamoWorker, settings: ReconcileSettings, desired: Sequence[dict[str, Any]]
