@@ -15,11 +15,9 @@ announced them); then removing spec.frontend removes every frontend child.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import shutil
 import subprocess
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,27 +31,25 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_operator.api.dynamoworker import RouterMode
-from dynamo_operator.k8s.client import Cluster as OperatorCluster
-from dynamo_operator.reconcile.crds import install_crds
 from dynamo_operator.reconcile.interface import FrontendEnv
-from support.cluster import Cluster, eventually
-from support.operator_process import OperatorProcess, start_operator
+from support.cluster import Cluster
+from support.operator_namespace import (
+    GROUP,
+    MERGE,
+    ON_PROCESS_NODE,
+    VERSION,
+    OperatorNamespace,
+    operator_namespace,
+)
+from support.operator_process import OperatorProcess
 from support.tiny_model import TinyModel
 from support.upstream import ORACLE_VENV_ENV, SAMPLE_ENGINE, oracle_venv, post_sse
 
 pytestmark = pytest.mark.e2e
 
-GROUP, VERSION = "dynamo.dev", "v1alpha1"
 WORKER = "tiny"
 SERVED = "tiny-llama"
 FRONTEND = f"{WORKER}-frontend"
-MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
-ON_PROCESS_NODE = {
-    "nodeSelector": {"dynamo.dev/node-kind": "process"},
-    "tolerations": [
-        {"key": "dynamo.dev/process-node", "operator": "Exists", "effect": "NoSchedule"}
-    ],
-}
 T = TypeVar("T")
 # Colour codes in the frontend's log lines (its Rust logger colours them).
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -61,13 +57,23 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 @dataclass
 class Bed:
-    api: client.ApiClient
-    namespace: str
-    operator: OperatorProcess
+    space: OperatorNamespace
+
+    @property
+    def api(self) -> client.ApiClient:
+        return self.space.api
+
+    @property
+    def namespace(self) -> str:
+        return self.space.namespace
+
+    @property
+    def operator(self) -> OperatorProcess:
+        return self.space.operator
 
     @property
     def custom(self) -> client.CustomObjectsApi:
-        return client.CustomObjectsApi(self.api)
+        return self.space.custom
 
     @property
     def core(self) -> client.CoreV1Api:
@@ -151,26 +157,15 @@ async def bed(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Bed]:
     python = upstream_python()
-    await install_crds(OperatorCluster(api))
-    core = client.CoreV1Api(api)
-    namespace = f"t-fe-{uuid.uuid4().hex[:8]}"
-    ns_body: Any = {"metadata": {"name": namespace, "labels": {"dynamo.dev/test": "true"}}}
-    await core.create_namespace(ns_body)
-    await eventually(lambda: core.read_namespaced_service_account("default", namespace), 30)
-    # Pods get their own /tmp: the model must live where a pod sees the host's files.
-    shared = Path(testbed.kubeconfig).parent / "e2e" / namespace
-    shutil.copytree(tiny_model.base, shared / "base")
-    log_path = tmp_path_factory.mktemp("frontend-operator") / "operator.log"
-    operator = start_operator(testbed, [namespace], log_path, resync_seconds=3.0)
-    bed = Bed(api, namespace, operator)
-    try:
-        await operator.wait_serving()
+    log_dir = tmp_path_factory.mktemp("frontend-operator")
+    async with operator_namespace(api, testbed, "t-fe", log_dir) as space:
+        shutil.copytree(tiny_model.base, space.shared / "base")
         worker: Any = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "DynamoWorker",
             "metadata": {"name": WORKER},
             "spec": {
-                "model": {"name": SERVED, "source": str(shared / "base")},
+                "model": {"name": SERVED, "source": str(space.shared / "base")},
                 "replicas": 2,
                 # 50 ms a token: the drain step's streams run about 6 s.
                 "engine": {"class": SAMPLE_ENGINE, "extraArgs": ["--token-delay", "0.05"]},
@@ -185,19 +180,8 @@ async def bed(
                 },
             },
         }
-        await bed.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, "dynamoworkers", worker
-        )
-        yield bed
-    finally:
-        operator.stop()
-        with contextlib.suppress(ApiException):
-            await bed.custom.patch_namespaced_custom_object(
-                GROUP, VERSION, namespace, "dynamoworkers", WORKER,
-                {"metadata": {"finalizers": None}}, **MERGE,
-            )  # fmt: skip
-        await core.delete_namespace(namespace)
-        shutil.rmtree(shared, ignore_errors=True)
+        await space.create("dynamoworkers", worker)
+        yield Bed(space)
 
 
 async def test_chat_through_the_frontend_service_reaches_both_workers(bed: Bed) -> None:

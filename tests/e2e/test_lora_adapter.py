@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import itertools
 import json
 import os
@@ -36,10 +35,15 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo.common.lora import adapter_digest
-from dynamo_operator.k8s.client import Cluster as OperatorCluster
-from dynamo_operator.reconcile.crds import install_crds
-from support.cluster import REPO, Cluster, eventually
-from support.operator_process import OperatorProcess, start_operator
+from support.cluster import REPO, Cluster
+from support.operator_namespace import (
+    GROUP,
+    MERGE,
+    ON_PROCESS_NODE,
+    VERSION,
+    operator_namespace,
+)
+from support.operator_process import OperatorProcess
 from support.s3 import S3Server, testbed_s3_server
 from support.tiny_model import TinyModel
 
@@ -49,13 +53,11 @@ from testbed.network import netns_name
 pytestmark = pytest.mark.e2e
 __all__ = ["testbed_s3_server"]
 
-GROUP, VERSION = "dynamo.dev", "v1alpha1"
 ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
 WORKER = "tiny"
 MAX_LORAS = 2
 UNLOAD_BOUND_SECONDS = 10.0
 PROMPT = "the quick brown"
-MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
 T = TypeVar("T")
 
 
@@ -246,43 +248,36 @@ async def bed(
     testbed_s3_server: S3Server,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Bed]:
-    await install_crds(OperatorCluster(api))
-    core = client.CoreV1Api(api)
-    namespace = f"t-lora-{uuid.uuid4().hex[:8]}"
-    ns_body: Any = {"metadata": {"name": namespace, "labels": {"dynamo.dev/test": "true"}}}
-    await core.create_namespace(ns_body)
-    await eventually(lambda: core.read_namespaced_service_account("default", namespace), 30)
-    # Pods get their own /tmp: the model must live where a pod sees the host's files.
-    shared = Path(testbed.kubeconfig).parent / "e2e" / namespace
-    shutil.copytree(tiny_model.base, shared / "base")
-    s3 = testbed_s3_server
-    bucket = s3.new_bucket("lora")
-    s3_client = s3.client()
-    for name, path in tiny_model.adapters.items():
-        for file in path.rglob("*"):
-            if file.is_file():
-                key = f"adapters/{name}/{file.relative_to(path).as_posix()}"
-                s3_client.put_object(Bucket=bucket, Key=key, Body=file.read_bytes())
-    canary = f"canary-{uuid.uuid4().hex}"
-    secret: Any = {
-        "metadata": {"name": "s3-creds"},
-        "data": {
-            "AWS_ACCESS_KEY_ID": base64.b64encode(b"testing").decode(),
-            "AWS_SECRET_ACCESS_KEY": base64.b64encode(canary.encode()).decode(),
-        },
-    }
-    await core.create_namespaced_secret(namespace, secret)
-    log_path = tmp_path_factory.mktemp("lora-operator") / "operator.log"
-    operator = start_operator(testbed, [namespace], log_path, resync_seconds=3.0)
-    bed = Bed(api, testbed, namespace, operator, s3, bucket, canary, dict(tiny_model.adapters))
-    try:
-        await operator.wait_serving()
+    log_dir = tmp_path_factory.mktemp("lora-operator")
+    async with operator_namespace(api, testbed, "t-lora", log_dir) as space:
+        namespace = space.namespace
+        shutil.copytree(tiny_model.base, space.shared / "base")
+        s3 = testbed_s3_server
+        bucket = s3.new_bucket("lora")
+        s3_client = s3.client()
+        for name, path in tiny_model.adapters.items():
+            for file in path.rglob("*"):
+                if file.is_file():
+                    key = f"adapters/{name}/{file.relative_to(path).as_posix()}"
+                    s3_client.put_object(Bucket=bucket, Key=key, Body=file.read_bytes())
+        canary = f"canary-{uuid.uuid4().hex}"
+        secret: Any = {
+            "metadata": {"name": "s3-creds"},
+            "data": {
+                "AWS_ACCESS_KEY_ID": base64.b64encode(b"testing").decode(),
+                "AWS_SECRET_ACCESS_KEY": base64.b64encode(canary.encode()).decode(),
+            },
+        }
+        await client.CoreV1Api(api).create_namespaced_secret(namespace, secret)
+        bed = Bed(
+            api, testbed, namespace, space.operator, s3, bucket, canary, dict(tiny_model.adapters)
+        )
         worker: Any = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "DynamoWorker",
             "metadata": {"name": WORKER},
             "spec": {
-                "model": {"name": "tiny-llama", "source": str(shared / "base")},
+                "model": {"name": "tiny-llama", "source": str(space.shared / "base")},
                 "replicas": 2,
                 "engine": {"class": ENGINE},
                 "resources": {"gpusPerPod": 0},
@@ -295,46 +290,12 @@ async def bed(
                         "region": "us-east-1",
                     }
                 },
-                "pod": {
-                    "nodeSelector": {"dynamo.dev/node-kind": "process"},
-                    "tolerations": [
-                        {
-                            "key": "dynamo.dev/process-node",
-                            "operator": "Exists",
-                            "effect": "NoSchedule",
-                        }
-                    ],
-                },
+                "pod": ON_PROCESS_NODE,
             },
         }
-        await bed.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, "dynamoworkers", worker
-        )
+        await space.create("dynamoworkers", worker)
         await bed.ready_pods(2, within=180)
         yield bed
-    finally:
-        operator.stop()
-        # Whatever a failed step left: no finalizer may outlive the operator.
-        for name in await _adapter_names(bed):
-            with contextlib.suppress(ApiException):
-                await bed.custom.patch_namespaced_custom_object(
-                    GROUP, VERSION, namespace, "loraadapters", name,
-                    {"metadata": {"finalizers": None}}, **MERGE,
-                )  # fmt: skip
-        with contextlib.suppress(ApiException):
-            await bed.custom.patch_namespaced_custom_object(
-                GROUP, VERSION, namespace, "dynamoworkers", WORKER,
-                {"metadata": {"finalizers": None}}, **MERGE,
-            )  # fmt: skip
-        await core.delete_namespace(namespace)
-        shutil.rmtree(shared, ignore_errors=True)
-
-
-async def _adapter_names(bed: Bed) -> list[str]:
-    listing = await bed.custom.list_namespaced_custom_object(
-        GROUP, VERSION, bed.namespace, "loraadapters"
-    )
-    return [item["metadata"]["name"] for item in listing["items"]]
 
 
 # --- the steps, in order ----------------------------------------------------------------------

@@ -10,51 +10,54 @@ rollout; deleting it removes the gate again.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from dynamo_operator.k8s.client import Cluster as OperatorCluster
-from dynamo_operator.reconcile.crds import install_crds
-from support.cluster import Cluster, eventually
-from support.operator_process import OperatorProcess, start_operator
+from support.cluster import Cluster
+from support.operator_namespace import (
+    GROUP,
+    MERGE,
+    ON_PROCESS_NODE,
+    VERSION,
+    OperatorNamespace,
+    operator_namespace,
+)
+from support.operator_process import OperatorProcess
 from support.tiny_model import TinyModel
 from support.upstream import SAMPLE_ENGINE
 
 pytestmark = pytest.mark.e2e
 
-GROUP, VERSION = "dynamo.dev", "v1alpha1"
 WORKER = "gated"
 ADAPTER = "must-have"
 GATE = "dynamo.dev/lora-adapters-ready"
-MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
-ON_PROCESS_NODE = {
-    "nodeSelector": {"dynamo.dev/node-kind": "process"},
-    "tolerations": [
-        {"key": "dynamo.dev/process-node", "operator": "Exists", "effect": "NoSchedule"}
-    ],
-}
 
 
 @dataclass
 class Bed:
-    api: client.ApiClient
-    namespace: str
-    operator: OperatorProcess
-    shared: Path
+    space: OperatorNamespace
+
+    @property
+    def namespace(self) -> str:
+        return self.space.namespace
+
+    @property
+    def operator(self) -> OperatorProcess:
+        return self.space.operator
+
+    @property
+    def api(self) -> client.ApiClient:
+        return self.space.api
 
     @property
     def custom(self) -> client.CustomObjectsApi:
-        return client.CustomObjectsApi(self.api)
+        return self.space.custom
 
     async def pods(self) -> list[Any]:
         listing = await client.CoreV1Api(self.api).list_namespaced_pod(
@@ -101,27 +104,17 @@ async def bed(
     tiny_model: TinyModel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Bed]:
-    await install_crds(OperatorCluster(api))
-    core = client.CoreV1Api(api)
-    namespace = f"t-gate-{uuid.uuid4().hex[:8]}"
-    ns_body: Any = {"metadata": {"name": namespace, "labels": {"dynamo.dev/test": "true"}}}
-    await core.create_namespace(ns_body)
-    await eventually(lambda: core.read_namespaced_service_account("default", namespace), 30)
-    # Pods get their own /tmp: the model and adapter live where a pod sees the host's files.
-    shared = Path(testbed.kubeconfig).parent / "e2e" / namespace
-    shutil.copytree(tiny_model.base, shared / "base")
-    shutil.copytree(tiny_model.adapters["sql-lora"], shared / "sql-lora")
-    log_path = tmp_path_factory.mktemp("gate-operator") / "operator.log"
-    operator = start_operator(testbed, [namespace], log_path, resync_seconds=3.0)
-    bed = Bed(api, namespace, operator, shared)
-    try:
-        await operator.wait_serving()
+    log_dir = tmp_path_factory.mktemp("gate-operator")
+    async with operator_namespace(api, testbed, "t-gate", log_dir) as space:
+        shutil.copytree(tiny_model.base, space.shared / "base")
+        shutil.copytree(tiny_model.adapters["sql-lora"], space.shared / "sql-lora")
+        bed = Bed(space)
         worker: Any = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "DynamoWorker",
             "metadata": {"name": WORKER},
             "spec": {
-                "model": {"name": "tiny-llama", "source": str(shared / "base")},
+                "model": {"name": "tiny-llama", "source": str(space.shared / "base")},
                 "replicas": 2,
                 "engine": {"class": SAMPLE_ENGINE},
                 "resources": {"gpusPerPod": 0},
@@ -130,23 +123,11 @@ async def bed(
                 "pod": ON_PROCESS_NODE,
             },
         }
-        await bed.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, "dynamoworkers", worker
-        )
-        await operator.eventually(
+        await space.create("dynamoworkers", worker)
+        await bed.operator.eventually(
             "2 ready pods", bed.pods, 120, lambda ps: len(ps) == 2 and all(map(ready, ps))
         )
         yield bed
-    finally:
-        operator.stop()
-        for plural, name in (("loraadapters", ADAPTER), ("dynamoworkers", WORKER)):
-            with contextlib.suppress(ApiException):
-                await bed.custom.patch_namespaced_custom_object(
-                    GROUP, VERSION, namespace, plural, name,
-                    {"metadata": {"finalizers": None}}, **MERGE,
-                )  # fmt: skip
-        await core.delete_namespace(namespace)
-        shutil.rmtree(shared, ignore_errors=True)
 
 
 async def test_a_required_adapter_that_cannot_load_holds_new_pods_back(bed: Bed) -> None:
@@ -156,13 +137,11 @@ async def test_a_required_adapter_that_cannot_load_holds_new_pods_back(bed: Bed)
         "metadata": {"name": ADAPTER},
         "spec": {
             "workerRef": {"name": WORKER},
-            "source": {"uri": (bed.shared / "no-such-adapter").as_uri()},
+            "source": {"uri": (bed.space.shared / "no-such-adapter").as_uri()},
             "requiredForReadiness": True,
         },
     }
-    await bed.custom.create_namespaced_custom_object(
-        GROUP, VERSION, bed.namespace, "loraadapters", body
-    )
+    await bed.space.create("loraadapters", body)
 
     def held_back(pods: list[Any]) -> bool:
         new = [p for p in pods if gated(p)]
@@ -192,7 +171,7 @@ async def test_a_required_adapter_that_cannot_load_holds_new_pods_back(bed: Bed)
 
 
 async def test_loading_the_adapter_lets_the_gated_pods_serve(bed: Bed) -> None:
-    uri = (bed.shared / "sql-lora").as_uri()
+    uri = (bed.space.shared / "sql-lora").as_uri()
     await bed.custom.patch_namespaced_custom_object(
         GROUP, VERSION, bed.namespace, "loraadapters", ADAPTER,
         {"spec": {"source": {"uri": uri}}}, **MERGE,

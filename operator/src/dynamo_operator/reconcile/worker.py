@@ -156,6 +156,10 @@ class WorkerReconciler:
         except ValidationError as err:
             return await self._invalid(meta, raw_status, _spec_error_text(err))
         settings = await self._settings()
+        if not dw.spec.lora.enabled:
+            # No adapter can load on these pods (the adapters' status says so); a gate would
+            # only keep them from ever serving.
+            required = ()
         try:
             children = desired_children(dw, settings, adapters_gate=bool(required))
             desired = [stamped(m) for m in children]
