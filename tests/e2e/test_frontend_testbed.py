@@ -18,8 +18,7 @@ import asyncio
 import re
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar, get_args
 
@@ -41,7 +40,6 @@ from support.operator_namespace import (
     OperatorNamespace,
     operator_namespace,
 )
-from support.operator_process import OperatorProcess
 from support.tiny_model import TinyModel
 from support.upstream import ORACLE_VENV_ENV, SAMPLE_ENGINE, oracle_venv, post_sse
 
@@ -55,38 +53,8 @@ T = TypeVar("T")
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-@dataclass
-class Bed:
-    space: OperatorNamespace
-
-    @property
-    def api(self) -> client.ApiClient:
-        return self.space.api
-
-    @property
-    def namespace(self) -> str:
-        return self.space.namespace
-
-    @property
-    def operator(self) -> OperatorProcess:
-        return self.space.operator
-
-    @property
-    def custom(self) -> client.CustomObjectsApi:
-        return self.space.custom
-
-    @property
-    def core(self) -> client.CoreV1Api:
-        return client.CoreV1Api(self.api)
-
-    async def eventually(
-        self,
-        what: str,
-        probe: Callable[[], Awaitable[T]],
-        within: float,
-        until: Callable[[T], bool],
-    ) -> T:
-        return await self.operator.eventually(what, probe, within, until)
+class Bed(OperatorNamespace):
+    """The namespace, with this module's questions about its worker."""
 
     async def worker(self) -> dict[str, Any]:
         found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
@@ -181,7 +149,7 @@ async def bed(
             },
         }
         await space.create("dynamoworkers", worker)
-        yield Bed(space)
+        yield Bed(**vars(space))
 
 
 async def test_chat_through_the_frontend_service_reaches_both_workers(bed: Bed) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -28,7 +27,6 @@ from support.operator_namespace import (
     OperatorNamespace,
     operator_namespace,
 )
-from support.operator_process import OperatorProcess
 from support.tiny_model import TinyModel
 from support.upstream import SAMPLE_ENGINE
 
@@ -39,28 +37,11 @@ ADAPTER = "must-have"
 GATE = "dynamo.dev/lora-adapters-ready"
 
 
-@dataclass
-class Bed:
-    space: OperatorNamespace
-
-    @property
-    def namespace(self) -> str:
-        return self.space.namespace
-
-    @property
-    def operator(self) -> OperatorProcess:
-        return self.space.operator
-
-    @property
-    def api(self) -> client.ApiClient:
-        return self.space.api
-
-    @property
-    def custom(self) -> client.CustomObjectsApi:
-        return self.space.custom
+class Bed(OperatorNamespace):
+    """The namespace, with this module's questions about its worker and adapter."""
 
     async def pods(self) -> list[Any]:
-        listing = await client.CoreV1Api(self.api).list_namespaced_pod(
+        listing = await self.core.list_namespaced_pod(
             self.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
         )
         return [p for p in listing.items if p.metadata.deletion_timestamp is None]
@@ -108,7 +89,7 @@ async def bed(
     async with operator_namespace(api, testbed, "t-gate", log_dir) as space:
         shutil.copytree(tiny_model.base, space.shared / "base")
         shutil.copytree(tiny_model.adapters["sql-lora"], space.shared / "sql-lora")
-        bed = Bed(space)
+        bed = Bed(**vars(space))
         worker: Any = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "DynamoWorker",
@@ -124,7 +105,7 @@ async def bed(
             },
         }
         await space.create("dynamoworkers", worker)
-        await bed.operator.eventually(
+        await bed.eventually(
             "2 ready pods", bed.pods, 120, lambda ps: len(ps) == 2 and all(map(ready, ps))
         )
         yield bed
@@ -137,11 +118,11 @@ async def test_a_required_adapter_that_cannot_load_holds_new_pods_back(bed: Bed)
         "metadata": {"name": ADAPTER},
         "spec": {
             "workerRef": {"name": WORKER},
-            "source": {"uri": (bed.space.shared / "no-such-adapter").as_uri()},
+            "source": {"uri": (bed.shared / "no-such-adapter").as_uri()},
             "requiredForReadiness": True,
         },
     }
-    await bed.space.create("loraadapters", body)
+    await bed.create("loraadapters", body)
 
     def held_back(pods: list[Any]) -> bool:
         new = [p for p in pods if gated(p)]
@@ -156,7 +137,7 @@ async def test_a_required_adapter_that_cannot_load_holds_new_pods_back(bed: Bed)
 
     # The gate rolls the pods (surge one); the new pod's containers are ready but the
     # adapter cannot load, so it stays unready while the two old pods keep serving.
-    pods = await bed.operator.eventually("a held-back gated pod", bed.pods, 90, held_back)
+    pods = await bed.eventually("a held-back gated pod", bed.pods, 90, held_back)
     worker = await bed.worker()
     assert worker["status"]["readyReplicas"] == 2
     # The controller tries the gated pod too (its containers are ready), and fails there.
@@ -166,12 +147,12 @@ async def test_a_required_adapter_that_cannot_load_holds_new_pods_back(bed: Bed)
         states = {p["pod"]: p["state"] for p in (adapter.get("status") or {}).get("pods", [])}
         return all(states.get(name) == "Failed" for name in new)
 
-    await bed.operator.eventually("failed on the gated pod", bed.adapter, 60, tried_everywhere)
+    await bed.eventually("failed on the gated pod", bed.adapter, 60, tried_everywhere)
     assert all(not ready(p) for p in await bed.pods() if p.metadata.name in new)
 
 
 async def test_loading_the_adapter_lets_the_gated_pods_serve(bed: Bed) -> None:
-    uri = (bed.space.shared / "sql-lora").as_uri()
+    uri = (bed.shared / "sql-lora").as_uri()
     await bed.custom.patch_namespaced_custom_object(
         GROUP, VERSION, bed.namespace, "loraadapters", ADAPTER,
         {"spec": {"source": {"uri": uri}}}, **MERGE,
@@ -180,12 +161,12 @@ async def test_loading_the_adapter_lets_the_gated_pods_serve(bed: Bed) -> None:
     def rolled(pods: list[Any]) -> bool:
         return len(pods) == 2 and all(gated(p) and ready(p) for p in pods)
 
-    pods = await bed.operator.eventually("2 gated ready pods", bed.pods, 120, rolled)
+    pods = await bed.eventually("2 gated ready pods", bed.pods, 120, rolled)
     assert all(conditions(p)[GATE] == "True" for p in pods)
     adapter = await bed.adapter()
     loaded = {p["pod"] for p in adapter["status"]["pods"] if p["state"] == "Loaded"}
     assert {p.metadata.name for p in pods} <= loaded
-    worker = await bed.operator.eventually(
+    worker = await bed.eventually(
         "DynamoWorker Ready", bed.worker, 60, lambda w: worker_ready(w).get("status") == "True"
     )
     assert worker["status"]["readyReplicas"] == 2
@@ -199,4 +180,4 @@ async def test_deleting_the_required_adapter_removes_the_gate(bed: Bed) -> None:
     def ungated(pods: list[Any]) -> bool:
         return len(pods) == 2 and all(not gated(p) and ready(p) for p in pods)
 
-    await bed.operator.eventually("2 ungated ready pods", bed.pods, 120, ungated)
+    await bed.eventually("2 ungated ready pods", bed.pods, 120, ungated)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -27,6 +27,7 @@ from dynamo_operator.reconcile.crds import install_crds
 from support.cluster import Cluster, eventually
 from support.operator_process import OperatorProcess, start_operator
 
+T = TypeVar("T")
 GROUP, VERSION = "dynamo.dev", "v1alpha1"
 MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
 # Worker pods go to the process node (tainted so that nothing else lands there).
@@ -50,6 +51,20 @@ class OperatorNamespace:
     @property
     def custom(self) -> client.CustomObjectsApi:
         return client.CustomObjectsApi(self.api)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    async def eventually(
+        self,
+        what: str,
+        probe: Callable[[], Awaitable[T]],
+        within: float,
+        until: Callable[[T], bool],
+    ) -> T:
+        """Wait for `until(probe())`, failing with `what` and the operator's log tail."""
+        return await self.operator.eventually(what, probe, within, until)
 
     async def create(self, plural: str, body: dict[str, Any]) -> None:
         """Create one of our custom objects (`dynamoworkers`, `loraadapters`) here."""
