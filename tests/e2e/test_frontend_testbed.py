@@ -41,7 +41,7 @@ from support.operator_namespace import (
     operator_namespace,
 )
 from support.tiny_model import TinyModel
-from support.upstream import ORACLE_VENV_ENV, SAMPLE_ENGINE, oracle_venv, post_sse
+from support.upstream import SAMPLE_ENGINE, post_sse, upstream_python
 
 pytestmark = pytest.mark.e2e
 
@@ -89,16 +89,6 @@ async def requests_served(ip: str) -> float:
         for sample in family.samples
         if sample.name == "dynamo_component_requests_total"
     )
-
-
-def upstream_python() -> Path:
-    python = oracle_venv() / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(
-            f"upstream Dynamo's venv is not at {python.parent.parent}; create it with "
-            f"hack/oracle-venv (or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
-        )
-    return python
 
 
 def test_frontend_env_and_router_modes_are_upstreams() -> None:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,9 +41,9 @@ from support.operator_namespace import (
     MERGE,
     ON_PROCESS_NODE,
     VERSION,
+    OperatorNamespace,
     operator_namespace,
 )
-from support.operator_process import OperatorProcess
 from support.s3 import S3Server, testbed_s3_server
 from support.tiny_model import TinyModel
 
@@ -62,42 +62,17 @@ T = TypeVar("T")
 
 
 @dataclass
-class Bed:
-    """Everything the steps share."""
+class Bed(OperatorNamespace):
+    """Everything the steps share: the namespace and operator, plus the adapters in S3."""
 
-    api: client.ApiClient
-    cluster: Cluster
-    namespace: str
-    operator: OperatorProcess
-    s3: S3Server
-    bucket: str
-    canary: str
-    adapters: dict[str, Path]
+    bucket: str = ""
+    canary: str = ""
+    adapters: dict[str, Path] = field(default_factory=dict)
     statuses: list[str] = field(default_factory=list)
     texts: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def custom(self) -> client.CustomObjectsApi:
-        return client.CustomObjectsApi(self.api)
-
-    @property
-    def core(self) -> client.CoreV1Api:
-        return client.CoreV1Api(self.api)
-
     def uri(self, adapter: str) -> str:
         return f"s3://{self.bucket}/adapters/{adapter}"
-
-    def context(self) -> str:
-        return f"operator log:\n{self.operator.log_tail(80)}"
-
-    async def eventually(
-        self,
-        what: str,
-        probe: Callable[[], Awaitable[T]],
-        within: float,
-        until: Callable[[T], bool],
-    ) -> T:
-        return await self.operator.eventually(what, probe, within, until)
 
     # --- objects ---------------------------------------------------------------------
 
@@ -270,7 +245,10 @@ async def bed(
         }
         await client.CoreV1Api(api).create_namespaced_secret(namespace, secret)
         bed = Bed(
-            api, testbed, namespace, space.operator, s3, bucket, canary, dict(tiny_model.adapters)
+            **vars(space),
+            bucket=bucket,
+            canary=canary,
+            adapters=dict(tiny_model.adapters),
         )
         worker: Any = {
             "apiVersion": f"{GROUP}/{VERSION}",

@@ -233,16 +233,22 @@ class UpstreamFleet:
             process.stop()
 
 
+def upstream_python() -> Path:
+    """The Python of upstream's venv; skips the calling test when there is none."""
+    python = oracle_venv() / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(
+            f"upstream Dynamo's venv is not at {oracle_venv()}; create it with hack/oracle-venv "
+            f"(or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
+        )
+    return python
+
+
 @pytest.fixture
 def upstream_fleet(tmp_path: Path) -> Iterator[UpstreamFleet]:
     """An `UpstreamFleet` in the test's temp folder; skipped without upstream's venv."""
-    venv = oracle_venv()
-    if not (venv / "bin" / "python").exists():
-        pytest.skip(
-            f"upstream Dynamo's venv is not at {venv}; create it with hack/oracle-venv "
-            f"(or point ${ORACLE_VENV_ENV} at one with ai-dynamo 1.6.1)"
-        )
-    fleet = UpstreamFleet(venv, tmp_path)
+    upstream_python()
+    fleet = UpstreamFleet(oracle_venv(), tmp_path)
     yield fleet
     fleet.close()
 

@@ -379,6 +379,11 @@ def _deployment(
     }
 
 
+def _service_port(name: str, port: int) -> Manifest:
+    """A TCP Service port forwarding to the container port of the same name."""
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+
+
 def desired_service(dw: DynamoWorker) -> Manifest:
     """The headless Service on the system and HTTP ports; its EndpointSlices list ready pods
     and carry upstream's discovery labels."""
@@ -394,18 +399,8 @@ def desired_service(dw: DynamoWorker) -> Manifest:
             # never compare equal to the stored object).
             "selector": selector_labels(worker),
             "ports": [
-                {
-                    "name": wi.SYSTEM_PORT_NAME,
-                    "port": wi.SYSTEM_PORT,
-                    "targetPort": wi.SYSTEM_PORT_NAME,
-                    "protocol": "TCP",
-                },
-                {
-                    "name": wi.HTTP_PORT_NAME,
-                    "port": wi.HTTP_PORT,
-                    "targetPort": wi.HTTP_PORT_NAME,
-                    "protocol": "TCP",
-                },
+                _service_port(wi.SYSTEM_PORT_NAME, wi.SYSTEM_PORT),
+                _service_port(wi.HTTP_PORT_NAME, wi.HTTP_PORT),
             ],
         },
     }
@@ -620,14 +615,7 @@ def desired_frontend_service(dw: DynamoWorker) -> Manifest:
         "spec": {
             "type": "ClusterIP",
             "selector": frontend_selector_labels(worker),
-            "ports": [
-                {
-                    "name": wi.FRONTEND_PORT_NAME,
-                    "port": wi.FRONTEND_PORT,
-                    "targetPort": wi.FRONTEND_PORT_NAME,
-                    "protocol": "TCP",
-                }
-            ],
+            "ports": [_service_port(wi.FRONTEND_PORT_NAME, wi.FRONTEND_PORT)],
         },
     }
 

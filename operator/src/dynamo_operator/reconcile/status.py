@@ -258,20 +258,34 @@ _PROBLEM_REASONS: dict[PodProblem, tuple[str, str]] = {
 _PROBLEM_ORDER = list(_PROBLEM_REASONS)
 
 
+# What a failing worker Deployment means, by the reason `_deployment_failure` gives.
+_DEPLOYMENT_FAILURES = {
+    "ReplicaFailure": "the Deployment cannot create pods: {}",
+    "ProgressDeadlineExceeded": "the rollout stalled: {}; check the pods' events",
+}
+
+
+def _deployment_failure(deployment: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(reason, the Deployment's message) when it cannot create pods (`ReplicaFailure`) or its
+    rollout stalled (`ProgressDeadlineExceeded`), else None."""
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if failure.get("status") == "True":
+        return "ReplicaFailure", str(failure.get("message", ""))
+    progress = _deployment_condition(deployment, "Progressing")
+    if progress.get("reason") == "ProgressDeadlineExceeded":
+        return "ProgressDeadlineExceeded", str(progress.get("message", ""))
+    return None
+
+
 def _frontend_trouble(deployment: Mapping[str, Any] | None) -> str | None:
     """Why the frontend Deployment cannot make or keep its pods, if it says so."""
-    failure = _deployment_condition(deployment, "ReplicaFailure")
-    stalled = _deployment_condition(deployment, "Progressing")
-    if failure.get("status") == "True":
-        detail = failure.get("message", "")
-    elif stalled.get("reason") == "ProgressDeadlineExceeded":
-        detail = stalled.get("message", "")
-    else:
+    failing = _deployment_failure(deployment)
+    if failing is None:
         return None
     name = ((deployment or {}).get("metadata") or {}).get("name", "")
     return (
-        f"the frontend Deployment {name} is failing ({detail}); check spec.frontend.image and "
-        f"command, and `kubectl logs -l {FRONTEND_LABEL}={name.removesuffix('-frontend')}`"
+        f"the frontend Deployment {name} is failing ({failing[1]}); check spec.frontend.image "
+        f"and command, and `kubectl logs -l {FRONTEND_LABEL}={name.removesuffix('-frontend')}`"
     )
 
 
@@ -281,22 +295,10 @@ def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
         return _Wanted(t, "True", "InvalidSpec", observed.spec_error)
     if observed.child_errors:
         return _Wanted(t, "True", "ApplyFailed", "; ".join(observed.child_errors))
-    failure = _deployment_condition(observed.deployment, "ReplicaFailure")
-    if failure.get("status") == "True":
-        return _Wanted(
-            t,
-            "True",
-            "ReplicaFailure",
-            f"the Deployment cannot create pods: {failure.get('message', '')}",
-        )
-    progress = _deployment_condition(observed.deployment, "Progressing")
-    if progress.get("reason") == "ProgressDeadlineExceeded":
-        return _Wanted(
-            t,
-            "True",
-            "ProgressDeadlineExceeded",
-            f"the rollout stalled: {progress.get('message', '')}; check the pods' events",
-        )
+    failing = _deployment_failure(observed.deployment)
+    if failing is not None:
+        reason, detail = failing
+        return _Wanted(t, "True", reason, _DEPLOYMENT_FAILURES[reason].format(detail))
     troubled = sorted(
         (_PROBLEM_ORDER.index(p.problem), p.name, p.problem, p.problem_detail)
         for p in pods
