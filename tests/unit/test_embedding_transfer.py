@@ -34,7 +34,6 @@ from dynamo.common.multimodal import (
 from dynamo.common.multimodal.embedding_transfer import (
     NixlReadRequest,
     NixlTransferRequest,
-    RingBuffer,
     UnknownTensorIdError,
     torch_dtype_from_string,
     torch_dtype_to_string,
@@ -95,68 +94,6 @@ def test_abstract_classes_cannot_be_instantiated() -> None:
         AbstractEmbeddingSender()  # type: ignore[abstract]
     with pytest.raises(TypeError):
         AbstractEmbeddingReceiver()  # type: ignore[abstract]
-
-
-# -- RingBuffer ---------------------------------------------------------------------------------
-
-
-def test_ring_buffer_allocates_aligned_pieces_and_reuses_space_oldest_first() -> None:
-    ring = RingBuffer(1024)
-    a_id, a = ring.get_buffer(100)
-    b_id, b = ring.get_buffer(300)
-    assert a_id is not None
-    assert a is not None
-    assert b_id is not None
-    assert b is not None
-    base = ring.buffer_tensor.data_ptr()
-    assert a.data_ptr() == base
-    assert a.numel() == 100
-    assert b.data_ptr() == base + 128  # next 64-byte boundary after 100
-    c_id, c = ring.get_buffer(512)
-    assert c_id is not None
-    assert c is not None
-    assert c.data_ptr() == base + 448
-    # 64 bytes remain at the end and nothing before the oldest piece: no room.
-    assert ring.get_buffer(100) == (None, None)
-    # Releasing a younger piece first frees nothing: space comes back oldest first.
-    ring.release_buffer(b_id)
-    assert ring.get_buffer(100) == (None, None)
-    ring.release_buffer(a_id)
-    # a and b are reclaimed; a piece that does not fit at the end restarts at offset 0.
-    d_id, d = ring.get_buffer(400)
-    assert d_id is not None
-    assert d is not None
-    assert d.data_ptr() == base
-    # Wrapped: free space is only between the newest (d) and the oldest (c) piece.
-    assert ring.get_buffer(64) == (None, None)
-    assert ring.live_count == 2
-    ring.release_buffer(c_id)
-    ring.release_buffer(d_id)
-    assert ring.live_count == 0
-    # Nothing live: the whole buffer is available again.
-    full_id, full = ring.get_buffer(1024)
-    assert full_id is not None
-    assert full is not None
-    assert full.data_ptr() == base
-
-
-def test_ring_buffer_rejects_impossible_sizes() -> None:
-    ring = RingBuffer(256)
-    assert ring.get_buffer(257) == (None, None)
-    with pytest.raises(ValueError, match="size must be positive"):
-        ring.get_buffer(0)
-    with pytest.raises(ValueError, match="buffer_size must be a positive byte count"):
-        RingBuffer(0)
-    ring.release_buffer(12345)  # unknown ids are ignored
-
-
-def test_ring_buffer_pieces_take_any_dtype_view() -> None:
-    ring = RingBuffer(4096)
-    _, odd = ring.get_buffer(6)  # three bfloat16 values
-    _, wide = ring.get_buffer(16)
-    assert odd is not None
-    assert wide is not None
-    assert wide.view(torch.float64).numel() == 2
 
 
 # -- Local ------------------------------------------------------------------------------------
@@ -300,6 +237,65 @@ async def test_nixl_write_receiver_times_out_when_the_ring_buffer_stays_full() -
         receiver.release_tensor(held_id)
         _, after_release = await receiver.receive_embeddings(second)
         assert torch.equal(after_release, torch.ones(64))
+    finally:
+        sender.close()
+
+
+async def _receive_held(
+    sender: NixlWriteEmbeddingSender, receiver: NixlWriteEmbeddingReceiver, source: torch.Tensor
+) -> tuple[int, int]:
+    """Send `source` and receive it (kept, not released): its tensor id and buffer offset."""
+    request, _ = await sender.send_embeddings(source)
+    tensor_id, received = await receiver.receive_embeddings(request, receive_timeout=5)
+    assert torch.equal(received, source)
+    return tensor_id, received.data_ptr() - receiver.transfer_tensor.data_ptr()
+
+
+async def test_nixl_write_receiver_fills_its_ring_buffer_and_wraps() -> None:
+    """Issue 16's cases, end to end through NIXL: pieces that fit are never refused."""
+    sender = NixlWriteEmbeddingSender()
+    receiver = NixlWriteEmbeddingReceiver(buffer_size=128)
+    try:
+        held = [await _receive_held(sender, receiver, torch.full((n,), n / 2)) for n in (8, 8, 16)]
+        assert [offset for _, offset in held] == [0, 32, 64]  # 32 + 32 + 64 bytes: full
+        receiver.release_tensor(held[0][0])
+        _, offset = await _receive_held(sender, receiver, torch.arange(8, dtype=torch.float32))
+        assert offset == 0  # wrapped to the start
+    finally:
+        sender.close()
+
+
+async def test_nixl_write_receiver_serves_steady_batches_without_waiting() -> None:
+    """Batches of 64 bytes, each released after the next arrives, in a 192-byte buffer."""
+    sender = NixlWriteEmbeddingSender()
+    receiver = NixlWriteEmbeddingReceiver(buffer_size=192)
+    try:
+        previous: list[int] = []
+        for batch in range(12):
+            current = [
+                (await _receive_held(sender, receiver, torch.full((n,), float(batch))))[0]
+                for n in ((16,), (8, 8), (4, 12))[batch % 3]
+            ]
+            for tensor_id in previous:
+                receiver.release_tensor(tensor_id)
+            previous = current
+    finally:
+        sender.close()
+
+
+async def test_nixl_write_receiver_pieces_take_any_dtype_view() -> None:
+    """Pieces start aligned: a float64 tensor right after three bfloat16 values still views."""
+    sender = NixlWriteEmbeddingSender()
+    receiver = NixlWriteEmbeddingReceiver(buffer_size=64)
+    try:
+        sources = [
+            torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),  # 6 bytes
+            torch.tensor([0.1, 0.2], dtype=torch.float64),
+            torch.tensor([7, -9], dtype=torch.int64),
+            torch.tensor([1 + 2j], dtype=torch.complex128),
+        ]
+        offsets = [(await _receive_held(sender, receiver, source))[1] for source in sources]
+        assert offsets == [0, 16, 32, 48]
     finally:
         sender.close()
 

@@ -12,10 +12,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dynamo.common.http import UrlValidationError, UrlValidationPolicy, validate_url
 from dynamo.common.http.url_validator import (
     describe_media_source,
+    is_blocked_ip,
     parse_ip_literal,
     validate_local_path,
     validate_media_url,
@@ -258,6 +261,87 @@ def test_allowed_networks_accept_strings() -> None:
 def test_parse_ip_literal(host: str, expected: str | None) -> None:
     parsed = parse_ip_literal(host)
     assert (str(parsed) if parsed is not None else None) == expected
+
+
+@pytest.mark.parametrize(
+    "ip_text",
+    [
+        "10.1.2.3",  # private
+        "172.16.0.1",
+        "192.168.1.1",
+        "100.64.0.1",  # CGNAT
+        "127.0.0.1",  # loopback
+        "169.254.169.254",  # link-local (cloud metadata)
+        "224.0.0.1",  # multicast
+        "240.0.0.1",  # reserved
+        "255.255.255.255",
+        "0.0.0.0",  # unspecified
+        "::",
+        "::1",
+        "fd00::1",  # unique-local
+        "fe80::1",
+        "fe80::1%eth0",  # with a zone
+        "ff02::1",
+        "::ffff:127.0.0.1",  # IPv4-mapped
+        "::ffff:10.0.0.1",
+        "::ffff:8.8.8.8",  # every IPv4-mapped address, as in BLOCKED_NETWORKS
+        "2002:a9fe:a9fe::1",  # 6to4 of 169.254.169.254
+        "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+        "127.1",  # inet_aton spellings are addresses too
+        "2130706433",
+    ],
+)
+def test_is_blocked_ip_blocks_internal_addresses(ip_text: str) -> None:
+    assert is_blocked_ip(ip_text)
+
+
+@pytest.mark.parametrize(
+    "ip_text",
+    [
+        "8.8.8.8",
+        "93.184.215.14",
+        "2606:2800:21f:cb07:6820:80da:af6b:8b2c",
+        "2001:4860:4860::8888",
+        # Not IP addresses at all: False, not an error.
+        "",
+        "localhost",
+        "metadata.google.internal",
+        "not-an-ip",
+        "[::1]",
+        " 127.0.0.1",
+        "127.0.0.1:80",
+        "10.0.0.0/8",
+        "0x 7f.0.0.1",  # int() would take the space
+        "0x7f_00_00_01",  # and the underscores
+        "\u0661\u0662\u0667.0.0.1",  # and non-ASCII digits
+    ],
+)
+def test_is_blocked_ip_passes_public_addresses_and_non_addresses(ip_text: str) -> None:
+    assert not is_blocked_ip(ip_text)
+
+
+@given(st.ip_addresses(v=4))
+def test_is_blocked_ip_covers_every_internal_ipv4_class(address: ipaddress.IPv4Address) -> None:
+    internal = (
+        address.is_private
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+    )
+    if internal:
+        assert is_blocked_ip(str(address))
+    # An IPv4-mapped IPv6 address is never a way around the check.
+    assert is_blocked_ip(f"::ffff:{address}")
+
+
+@given(st.ip_addresses())
+def test_is_blocked_ip_is_the_default_policys_classification(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> None:
+    # One classification: the bare helper and the default policy never disagree.
+    assert is_blocked_ip(str(address)) == UrlValidationPolicy().is_blocked_address(address)
 
 
 def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

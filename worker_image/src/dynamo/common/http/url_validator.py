@@ -164,11 +164,30 @@ class UrlValidationPolicy:
             return False
         if any(address in net for net in self.allowed_networks):
             return False
-        return any(
-            candidate in net
-            for candidate in _with_embedded_ipv4(address)
-            for net in BLOCKED_NETWORKS
-        )
+        return _in_blocked_ranges(address)
+
+
+def _in_blocked_ranges(address: IPAddress) -> bool:
+    """Whether `address`, or the IPv4 address a 6to4/NAT64 address tunnels to, is blocked.
+
+    The one classification behind every check here: `BLOCKED_NETWORKS`, with no policy
+    exemptions applied.
+    """
+    return any(
+        candidate in net for candidate in _with_embedded_ipv4(address) for net in BLOCKED_NETWORKS
+    )
+
+
+def is_blocked_ip(ip_text: str) -> bool:
+    """Whether `ip_text` is an IP address in the blocked ranges (upstream's helper).
+
+    False for text that is not an IP address (a host name, empty text); otherwise whether
+    the address is private, loopback, link-local, multicast, reserved or unspecified, IPv4
+    or IPv6, IPv4-mapped IPv6 included. Numeric spellings `inet_aton` accepts (`127.1`,
+    `2130706433`) count as addresses, as they do for URL hosts.
+    """
+    address = parse_ip_literal(ip_text)
+    return address is not None and _in_blocked_ranges(address)
 
 
 def _with_embedded_ipv4(address: IPAddress) -> list[IPAddress]:
@@ -182,16 +201,25 @@ def _with_embedded_ipv4(address: IPAddress) -> list[IPAddress]:
     return candidates
 
 
+_DIGITS: Final = {
+    16: frozenset("0123456789abcdefABCDEF"),
+    8: frozenset("01234567"),
+    10: frozenset("0123456789"),
+}
+
+
 def _parse_inet_aton_part(part: str) -> int | None:
     """One dotted part as `inet_aton` reads it: `0x` hex, leading-zero octal, else decimal."""
-    try:
-        if part[:2] in ("0x", "0X"):
-            return int(part[2:], 16) if len(part) > 2 else 0
-        if len(part) > 1 and part.startswith("0"):
-            return int(part[1:], 8)
-        return int(part, 10) if part.isdigit() else None
-    except ValueError:
+    if part[:2] in ("0x", "0X"):
+        digits, base = part[2:], 16
+    elif len(part) > 1 and part.startswith("0"):
+        digits, base = part[1:], 8
+    else:
+        digits, base = part, 10
+    # ASCII digits only: int() alone would also take spaces, "_" and non-ASCII digits.
+    if not set(digits) <= _DIGITS[base]:
         return None
+    return int(digits, base) if digits else 0
 
 
 def parse_ip_literal(host: str) -> IPAddress | None:

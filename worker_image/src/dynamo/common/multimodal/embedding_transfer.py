@@ -15,7 +15,8 @@ The wire formats (the JSON `NixlTransferRequest`, the msgpack handshake tuple, t
 upstream: requests whose shape/dtype disagree with the bytes sent are refused with a clear
 message; a sender that cannot serve a write request tells the receiver at once instead of
 letting it time out; unknown tensor ids in `release_tensor` raise `UnknownTensorIdError`;
-non-contiguous tensors are made contiguous instead of failing inside NIXL.
+non-contiguous tensors are made contiguous instead of failing inside NIXL; the NIXL WRITE
+receiver aligns its ring-buffer pieces, so every dtype can view them.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ _DEFAULT_TIMEOUT_S = 60.0
 # An idle NIXL WRITE sender still answers stale handshakes (so their receivers fail fast),
 # at this slower pace.
 _IDLE_POLL_S = 0.02
-# Received tensors are typed views of int8 buffers; torch (and the hardware) need each view to
-# start at an offset aligned for its dtype, so buffer pieces start on this boundary.
-_ALIGNMENT = 64
+# Received tensors are typed views of int8 buffers; torch needs each view to start at an offset
+# that is a multiple of its dtype's size. Buffer pieces start on this boundary, the size of the
+# widest dtype (complex128), which also keeps the padding between small pieces small.
+_ALIGNMENT = 16
 
 # Key of the tensor inside the safetensors file written by LocalEmbeddingSender.
 _LOCAL_TENSOR_KEY = "ec_cache"
@@ -289,14 +291,16 @@ class LocalEmbeddingReceiver(AbstractEmbeddingReceiver):
 
 
 class RingBuffer:
-    """A byte buffer handed out in contiguous pieces, reused in allocation order.
+    """A byte buffer handed out in contiguous pieces, reused in allocation order (as upstream).
 
-    A piece never wraps around the end: when the space left at the end is too small, the
-    piece starts again at offset 0 (if the oldest live piece leaves room there). Pieces start
-    on a 64-byte boundary so any dtype can view them (upstream packs them, which breaks a
-    float32 view after an odd-sized bfloat16 piece). Space is
-    reclaimed from the oldest piece forward, so a piece released early is reused only once
-    every older piece is released too. When nothing is live the whole buffer is free again.
+    Pieces are packed: each starts where the newest live piece ends. A piece never wraps
+    around the end: when the space left at the end is too short, it starts again at offset 0
+    if the space before the oldest live piece suffices. Releases may come in any order; space
+    is reclaimed from the oldest piece forward, so a piece released early is reused once every
+    older piece is released too. When nothing is live the next piece starts at offset 0.
+
+    Offsets are not aligned here: a caller that views pieces as wider dtypes asks for sizes
+    rounded up to the alignment it needs (see `NixlWriteEmbeddingReceiver`).
     """
 
     def __init__(self, buffer_size: int) -> None:
@@ -330,11 +334,9 @@ class RingBuffer:
         newest_start, newest_end = next(reversed(self._pieces.values()))
         if newest_start < oldest_start:
             # Wrapped: the only free space is between the newest and the oldest piece.
-            start = _align_up(newest_end)
-            return start if start + size <= oldest_start else None
-        start = _align_up(newest_end)
-        if start + size <= self.buffer_size:
-            return start
+            return newest_end if newest_end + size <= oldest_start else None
+        if newest_end + size <= self.buffer_size:
+            return newest_end
         return 0 if size <= oldest_start else None
 
     def get_buffer(self, size: int) -> tuple[int, torch.Tensor] | tuple[None, None]:
@@ -743,7 +745,13 @@ class NixlWriteEmbeddingReceiver(AbstractEmbeddingReceiver):
                 ) from exc
             self.remote_agents[sender] = _agent_name(self.nixl_agent.add_remote_agent(metadata))
 
-        buffer_id, buffer = await self._allocate(size, receive_timeout)
+        # Every piece spans a whole number of _ALIGNMENT bytes (or runs to the buffer's end),
+        # so every piece starts aligned and takes any dtype view; upstream packs exact sizes,
+        # which breaks a float32 view after an odd-sized bfloat16 piece.
+        buffer_id, piece = await self._allocate(
+            min(_align_up(size), self.ring_buffer.buffer_size), receive_timeout
+        )
+        buffer = piece[:size]
         embeddings = buffer.view(dtype).view(request.embeddings_shape)
         tensor_id = self._next_tensor_id
         self._next_tensor_id += 1
