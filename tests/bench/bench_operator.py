@@ -9,7 +9,9 @@ DynamoWorkers, counted by the API server's `apiserver_request_total`), and its R
 
 Pods request no GPU (the test bed has 32 fake GPUs), one replica each.
 Run: `.venv/bin/pytest tests/bench/bench_operator.py -m bench -s` (set DYNAMO_BENCH_WORKERS to
-change the count; the test bed's fake nodes hold 440 pods).
+change the count, or to a comma-separated list of counts, one run each; the test bed's fake
+nodes hold 440 pods). After each run, a plot of convergence against the count, with the
+floor, is rewritten with every count measured so far (tests/support/bench_plots.py).
 """
 
 from __future__ import annotations
@@ -30,16 +32,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_operator.api import DynamoWorker
 from dynamo_operator.k8s.client import Cluster as OperatorCluster
-from dynamo_operator.reconcile.builders import desired_deployment
 from dynamo_operator.reconcile.crds import install_crds
-from dynamo_operator.reconcile.settings import ReconcileSettings
+from dynamo_operator.reconcile.dynamoworker.builders import desired_deployment
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
+from support import bench_plots
 from support.api_cases import dynamo_worker
 from support.cluster import Cluster
 from support.operator_process import TEST_IMAGE, running_operator
 
 pytestmark = [pytest.mark.bench, pytest.mark.cluster]
 
-WORKERS = int(os.environ.get("DYNAMO_BENCH_WORKERS", "100"))
+COUNTS = [int(n) for n in os.environ.get("DYNAMO_BENCH_WORKERS", "100").split(",")]
+# (count, operator seconds, floor seconds) of every run so far, for the plot.
+MEASURED: list[tuple[int, float, float]] = []
 SPEC = {"replicas": 1, "resources": {"gpusPerPod": 0}}
 POLL_SECONDS = 0.25
 CREATE_CONCURRENCY = 50
@@ -117,13 +122,14 @@ async def apiserver_counts(api: client.ApiClient) -> dict[tuple[str, str, str], 
     return counts
 
 
+@pytest.mark.parametrize("workers", COUNTS)
 async def test_convergence_of_many_workers(
-    api: client.ApiClient, cluster: Cluster, fresh_namespace: str, tmp_path: Path
+    api: client.ApiClient, cluster: Cluster, fresh_namespace: str, tmp_path: Path, workers: int
 ) -> None:
     await install_crds(OperatorCluster(api))
     apps = client.AppsV1Api(api)
     custom = client.CustomObjectsApi(api)
-    names = [f"w{i:03d}" for i in range(WORKERS)]
+    names = [f"w{i:03d}" for i in range(workers)]
 
     # Baseline: the Deployments alone.
     base_ns = fresh_namespace
@@ -138,7 +144,7 @@ async def test_convergence_of_many_workers(
     async def deployments_ready() -> bool:
         listing = await apps.list_namespaced_deployment(base_ns)
         ready = [d for d in listing.items if (d.status.ready_replicas or 0) >= 1]
-        return len(ready) == WORKERS
+        return len(ready) == workers
 
     await until(deployments_ready, 600)
     baseline = time.monotonic() - started
@@ -183,7 +189,7 @@ async def test_convergence_of_many_workers(
                         for c in (w.get("status") or {}).get("conditions", [])
                     )
                 ]
-                return len(ready) == WORKERS
+                return len(ready) == workers
 
             converged = await until(workers_ready, 900)
             after = await apiserver_counts(api)
@@ -206,21 +212,23 @@ async def test_convergence_of_many_workers(
         ("dynamoworkers", "status", "PATCH"), 0
     )
     print(
-        f"\n{WORKERS} DynamoWorkers (1 pod each): converged in {converged:.1f} s; "
+        f"\n{workers} DynamoWorkers (1 pod each): converged in {converged:.1f} s; "
         f"baseline (Deployments created directly) {baseline:.1f} s; "
         f"ratio {converged / baseline:.2f}"
     )
     print(
-        f"API requests per DynamoWorker: {(own + kopf_patches) / WORKERS:.1f} "
-        f"(operator client {own / WORKERS:.1f}, of which writes {own_writes / WORKERS:.1f}; "
-        f"kopf's PATCHes of the object {kopf_patches / WORKERS:.1f}; "
-        f"status PATCHes seen by the API server {status_patches / WORKERS:.1f})"
+        f"API requests per DynamoWorker: {(own + kopf_patches) / workers:.1f} "
+        f"(operator client {own / workers:.1f}, of which writes {own_writes / workers:.1f}; "
+        f"kopf's PATCHes of the object {kopf_patches / workers:.1f}; "
+        f"status PATCHes seen by the API server {status_patches / workers:.1f})"
     )
     print(
-        f"reconciles per DynamoWorker: {reconciles / WORKERS:.1f}; requests by verb and kind: "
-        + ", ".join(f"{k} {v / WORKERS:.1f}" for k, v in sorted(breakdown.items()))
+        f"reconciles per DynamoWorker: {reconciles / workers:.1f}; requests by verb and kind: "
+        + ", ".join(f"{k} {v / workers:.1f}" for k, v in sorted(breakdown.items()))
     )
     print(
         f"operator RSS: {rss_idle / 2**20:.0f} MiB idle, {rss / 2**20:.0f} MiB with "
-        f"{WORKERS} DynamoWorkers"
+        f"{workers} DynamoWorkers"
     )
+    MEASURED.append((workers, converged, baseline))
+    bench_plots.convergence(MEASURED, "bench-operator-convergence")

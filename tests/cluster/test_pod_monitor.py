@@ -26,8 +26,8 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo_operator.k8s.client import Cluster as OperatorCluster
-from dynamo_operator.reconcile.builders import POD_MONITOR_CRD
 from dynamo_operator.reconcile.crds import install_crds
+from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD
 from support.api_cases import dynamo_worker
 from support.cluster import Cluster, ensure_crd, eventually
 from support.operator_process import OperatorProcess, running_operator

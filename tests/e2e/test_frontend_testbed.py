@@ -30,7 +30,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_operator.api.dynamoworker import RouterMode
-from dynamo_operator.reconcile.interface import FrontendEnv
+from dynamo_operator.reconcile.dynamoworker.interface import FrontendEnv
 from support.cluster import Cluster
 from support.operator_namespace import (
     GROUP,

@@ -11,12 +11,16 @@ import pytest
 
 from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.loraadapter import LoRAAdapter
-from dynamo_operator.reconcile.adapter_gate import wanted_condition
-from dynamo_operator.reconcile.builders import desired_children
-from dynamo_operator.reconcile.labels import ADAPTERS_READY_GATE
-from dynamo_operator.reconcile.lora import AdapterRef, WorkerInfo, required_adapters
-from dynamo_operator.reconcile.observed import PodSummary
-from dynamo_operator.reconcile.settings import ReconcileSettings
+from dynamo_operator.reconcile.dynamoworker.adapter_gate import wanted_condition
+from dynamo_operator.reconcile.dynamoworker.builders import desired_children
+from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE
+from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
+from dynamo_operator.reconcile.loraadapter.targeting import (
+    AdapterRef,
+    WorkerInfo,
+    required_adapters,
+)
 from support.api_cases import dynamo_worker, lora_adapter
 
 pytestmark = pytest.mark.unit

@@ -23,9 +23,9 @@ from dynamo_operator.api import DynamoWorker, crd
 from dynamo_operator.api import metadata as dwm
 from dynamo_operator.handlers import build_registry
 from dynamo_operator.k8s import kinds
-from dynamo_operator.reconcile import builders
-from dynamo_operator.reconcile.settings import ReconcileSettings
-from dynamo_operator.reconcile.worker import FRONTEND_KINDS
+from dynamo_operator.reconcile.dynamoworker import builders
+from dynamo_operator.reconcile.dynamoworker.reconciler import FRONTEND_KINDS
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from support.api_cases import FULL_DYNAMO_WORKER
 from support.helm import CHART, RENDER_KUBE_VERSION, documents, require_helm, run_helm, template
 
@@ -281,7 +281,9 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     # Reads, deletes and status patches of a named kind, as the source spells them
     # (`cluster.get(kinds.POD_MONITOR, ...)`); CRDs are cluster-scoped, checked below.
     source = "\n".join(
-        p.read_text() for d in ("reconcile", "handlers") for p in (OPERATOR_CODE / d).glob("*.py")
+        p.read_text()
+        for d in ("reconcile", "handlers", "pods")
+        for p in sorted((OPERATOR_CODE / d).rglob("*.py"))
     )
     # Children deleted when no longer wanted (`WorkerReconciler._remove_unwanted`): read, then
     # deleted when owned.
@@ -299,6 +301,12 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
         suffix = "/status" if method == "patch_status" else ""
         group = kind.api_version.rpartition("/")[0]
         need.add((group, kind.plural + suffix, verbs[method], ()))
+    # Status patches of each kind go through its `StatusWriter(cluster, kinds.X, ...)`.
+    assert re.search(r"\.patch_status\(\s*self\.kind,", source)
+    for name in re.findall(r"StatusWriter\(\s*[\w.]+,\s*kinds\.([A-Z_]+)", source):
+        kind = getattr(kinds, name)
+        group = kind.api_version.rpartition("/")[0]
+        need.add((group, kind.plural + "/status", "patch", ()))
     # The LoRA-adapters readiness gate, set on worker pods (a strategic merge patch).
     assert "patch_pod_conditions(" in source
     need.add(("", "pods/status", "patch", ()))

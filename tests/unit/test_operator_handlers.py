@@ -1,17 +1,26 @@
 """The kopf glue without a cluster: settings chosen on purpose, every handler registered with a
-stable id, the liveness check on watchers, and the `run` command line."""
+stable id, the liveness check on watchers, the indices' view, the resync loop, and the `run`
+command line."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+from typing import Any
 
 import kopf
 import pytest
+from kopf._cogs.aiokits.aioenums import FlagSetter
 
 from dynamo_operator import cli
+from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.handlers import OperatorConfig, OperatorContext, build_registry
+from dynamo_operator.handlers.indices import Indices
 from dynamo_operator.handlers.lifecycle import operator_settings, watcher_problem
+from dynamo_operator.handlers.resync import resync_loop
+from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo
 
 pytestmark = pytest.mark.unit
 
@@ -114,3 +123,69 @@ def test_config_refuses_a_bad_resync_period() -> None:
         OperatorConfig(namespaces=("a",), resync_seconds=0)
     with pytest.raises(ValueError, match="--namespace"):
         OperatorConfig()
+
+
+def test_the_indices_view_reads_every_index_by_namespace() -> None:
+    pod = PodSummary(name="llm-a", uid="u", ip="198.18.0.9", ready=False, terminating=False)
+    record = DynamoWorkerMetadata.model_validate(
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "DynamoWorkerMetadata",
+            "metadata": {"name": "llm-a", "namespace": "ns"},
+            "spec": {"data": {}},
+        }
+    )
+    worker = WorkerInfo("llm")
+    # kopf's indices are mappings of keys to collections of values; so are these.
+    view = Indices.of(
+        {
+            "worker_pods": {("ns", "llm"): [pod]},
+            "pod_workers": {("ns", "llm-a"): ["llm"]},
+            "worker_metadata": {("ns", "llm-a"): [record]},
+            "dynamo_workers": {"ns": [worker]},
+            "lora_adapters": {},
+            "logger": logging.getLogger("ignored"),
+        }
+    )
+    assert view.pods("ns", "llm") == [pod]
+    assert view.pods("other", "llm") == []
+    assert view.metadata("ns", [pod]) == {"llm-a": record}
+    assert view.worker_of_pod("ns", "llm-a") == "llm"
+    assert view.worker_of_pod("ns", "llm-b") is None
+    assert view.workers("ns") == [worker]
+    assert view.adapters("ns") == []
+    namespace = view.adapter_view("ns")
+    assert (namespace.workers, namespace.adapters) == ([worker], [])
+    # An adapter loads onto a pod whose containers are ready, whatever its readiness gate.
+    assert [(p.name, p.worker) for p in namespace.pods_of("llm")] == [("llm-a", "llm")]
+
+
+async def test_one_resync_loop_runs_on_triggers_requests_and_the_period() -> None:
+    memo = OperatorContext(OperatorConfig(namespaces=("ns",), resync_seconds=0.6))
+    setter: FlagSetter[Any] = FlagSetter()
+    stopped = setter.async_waiter
+    key = ("LoRAAdapter", "ns", "sql")
+    passes: list[bool] = []
+    asked = asyncio.Event()
+
+    async def reconcile(full: bool) -> float | None:
+        passes.append(full)
+        asked.set()
+        # The first pass asks to run again soon (a backoff ending); later ones do not.
+        return 0.1 if len(passes) == 1 else None
+
+    loop = asyncio.create_task(resync_loop(memo, key, stopped, reconcile, at_start=True))
+    try:
+        for want in (2, 3, 4):
+            while len(passes) < want:
+                asked.clear()
+                if want == 3:
+                    memo.wake(*key)  # a watch event: a pass between resyncs
+                await asyncio.wait_for(asked.wait(), timeout=5)
+        # At start, when asked (a full pass: no trigger), on the trigger, at the resync.
+        assert passes[:4] == [True, True, False, True]
+        assert memo.metrics.managed_objects.labels(kind="LoRAAdapter")._value.get() == 1
+    finally:
+        setter.set()
+        await asyncio.wait_for(loop, timeout=5)
+    assert memo.metrics.managed_objects.labels(kind="LoRAAdapter")._value.get() == 0

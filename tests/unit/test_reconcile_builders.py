@@ -16,17 +16,17 @@ import yaml
 from dynamo.runtime import cli as worker_cli
 from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.dynamoworker import Drain
-from dynamo_operator.reconcile import interface as wi
-from dynamo_operator.reconcile.builders import (
+from dynamo_operator.reconcile.dynamoworker import interface as wi
+from dynamo_operator.reconcile.dynamoworker.builders import (
     desired_children,
     desired_deployment,
-    desired_frontend_children,
     desired_pod_monitor,
     desired_role,
     desired_service,
 )
+from dynamo_operator.reconcile.dynamoworker.frontend import desired_frontend_children
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.errors import SpecError
-from dynamo_operator.reconcile.settings import ReconcileSettings
 from support.api_cases import FULL_DYNAMO_WORKER, dynamo_worker
 
 pytestmark = pytest.mark.unit

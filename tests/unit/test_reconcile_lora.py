@@ -18,18 +18,26 @@ import pytest
 
 from dynamo_operator.api.common import LabelSelector
 from dynamo_operator.api.loraadapter import AdapterState, LoRAAdapter, LoRAAdapterStatus
-from dynamo_operator.reconcile import lora
-from dynamo_operator.reconcile.lora import (
+from dynamo_operator.k8s import kinds
+from dynamo_operator.pods.adapters import WORKER_UNREACHABLE, Listing, OpResult, reason_for
+from dynamo_operator.reconcile.events import Regarding, event_manifest
+from dynamo_operator.reconcile.loraadapter import plan as planner
+from dynamo_operator.reconcile.loraadapter.model import (
     Action,
-    AdapterRef,
+    AdapterObservation,
     Backoff,
     InFlight,
-    Listing,
-    Observed,
-    OpResult,
     Pod,
     PodTrack,
+)
+from dynamo_operator.reconcile.loraadapter.reasons import WORKER_MESSAGE_MAX, scrub
+from dynamo_operator.reconcile.loraadapter.status import SOURCE_PINNED
+from dynamo_operator.reconcile.loraadapter.targeting import (
+    AdapterRef,
     WorkerInfo,
+    missing_worker_message,
+    name_conflict,
+    target_workers,
 )
 
 pytestmark = pytest.mark.unit
@@ -93,7 +101,7 @@ class Fleet:
     tracks: dict[str, PodTrack] = field(default_factory=dict)
     in_flight: dict[str, Action] = field(default_factory=dict)
     workers: tuple[WorkerInfo, ...] = (WorkerInfo("llm"),)
-    history: list[lora.Plan] = field(default_factory=list)
+    history: list[planner.Plan] = field(default_factory=list)
 
     def listings(self) -> dict[str, Listing]:
         out = {}
@@ -101,11 +109,11 @@ class Fleet:
             if pod.reachable:
                 out[name] = Listing(loras={n: 1000 + i for i, n in enumerate(sorted(pod.serving))})
             else:
-                out[name] = Listing(reason=lora.WORKER_UNREACHABLE, message="connection refused")
+                out[name] = Listing(reason=WORKER_UNREACHABLE, message="connection refused")
         return out
 
-    def observed(self) -> Observed:
-        return Observed(
+    def observed(self) -> AdapterObservation:
+        return AdapterObservation(
             now=self.now,
             workers=self.workers,
             pods=[Pod(n, "llm", f"198.18.1.{i + 2}", True) for i, n in enumerate(self.pods)],
@@ -116,8 +124,8 @@ class Fleet:
             tracks=dict(self.tracks),
         )
 
-    def round(self) -> lora.Plan:
-        plan = lora.plan(self.adapter, self.observed(), BACKOFF)
+    def round(self) -> planner.Plan:
+        plan = planner.plan(self.adapter, self.observed(), BACKOFF)
         self.tracks = plan.tracks
         for action in plan.actions:
             assert action.pod not in self.in_flight, "a second request to a busy pod"
@@ -134,7 +142,7 @@ class Fleet:
         if action.op == "unload":
             result = OpResult(ok=worker.serving.pop(name, None) is not None, reason="NotLoaded")
         elif not worker.reachable:
-            result = OpResult(ok=False, reason=lora.WORKER_UNREACHABLE, message="refused")
+            result = OpResult(ok=False, reason=WORKER_UNREACHABLE, message="refused")
         elif action.uri in worker.fail_uris:
             result = OpResult(ok=False, reason="DigestMismatch", message="digest mismatch")
         elif name not in worker.serving and len(worker.serving) >= worker.capacity:
@@ -146,7 +154,7 @@ class Fleet:
         else:
             worker.serving[name] = action.uri or ""
             result = OpResult(ok=True, lora_id=1000)
-        track = lora.record_result(self.tracks.get(pod), action, result, self.now, BACKOFF)
+        track = planner.record_result(self.tracks.get(pod), action, result, self.now, BACKOFF)
         if track is None:
             self.tracks.pop(pod, None)
         else:
@@ -157,7 +165,7 @@ class Fleet:
         for pod in sorted(self.in_flight):
             self.finish(pod)
 
-    def settle(self, rounds: int = 20) -> lora.Plan:
+    def settle(self, rounds: int = 20) -> planner.Plan:
         """Rounds with every request completing at once, until nothing is left to do."""
         plan = self.round()
         for _ in range(rounds):
@@ -171,7 +179,7 @@ class Fleet:
         return LoRAAdapterStatus.model_validate(self.history[-1].status)
 
 
-def check_invariants(plan: lora.Plan, fleet: Fleet) -> None:
+def check_invariants(plan: planner.Plan, fleet: Fleet) -> None:
     status = LoRAAdapterStatus.model_validate(plan.status)  # valid against the API model
     name = fleet.adapter.adapter_name or ""
     for entry in status.pods:
@@ -281,7 +289,7 @@ def test_an_unreachable_pod_is_never_reported_loaded() -> None:
 
 def test_pods_that_are_not_ready_are_not_targets() -> None:
     adapter = make_adapter()
-    observed = Observed(
+    observed = AdapterObservation(
         now=T0,
         workers=[WorkerInfo("llm")],
         pods=[
@@ -292,7 +300,7 @@ def test_pods_that_are_not_ready_are_not_targets() -> None:
         ],
         listings={"llm-a": Listing(loras={})},
     )
-    plan = lora.plan(adapter, observed, BACKOFF)
+    plan = planner.plan(adapter, observed, BACKOFF)
     assert [a.pod for a in plan.actions] == ["llm-a"]
     assert plan.targets == ("llm-a",)
 
@@ -543,13 +551,13 @@ def test_capacity_exceeded_on_all_replicas_leaves_the_others_alone() -> None:
 
 
 def plan_once(adapter: LoRAAdapter, **observed: Any) -> LoRAAdapterStatus:
-    plan = lora.plan(adapter, Observed(now=T0, **observed), BACKOFF)
+    plan = planner.plan(adapter, AdapterObservation(now=T0, **observed), BACKOFF)
     return LoRAAdapterStatus.model_validate(plan.status)
 
 
 def test_a_missing_worker_is_reported_with_the_field_to_fix() -> None:
     adapter = make_adapter(worker="nope")
-    status = plan_once(adapter, missing_worker=lora.missing_worker_message(adapter))
+    status = plan_once(adapter, missing_worker=missing_worker_message(adapter))
     ready = condition(status, "Ready")
     assert ready[:2] == ("False", "WorkerNotFound")
     assert (
@@ -584,10 +592,10 @@ def test_name_conflicts_keep_the_older_adapter() -> None:
     other_worker = AdapterRef.of(make_adapter(name="third", worker="other"))
     workers = [WorkerInfo("llm"), WorkerInfo("other")]
     # Both serve the name `sql`? Only when adapterName matches: metadata.name differs here.
-    assert lora.name_conflict(newer, [older], workers) is None
+    assert name_conflict(newer, [older], workers) is None
     same = AdapterRef("second", "uid-2", "2026-01-02T00:00:00Z", older.adapter_name, "llm", None)
-    assert lora.name_conflict(same, [older, other_worker], workers) == "first"
-    assert lora.name_conflict(older, [same], workers) is None
+    assert name_conflict(same, [older, other_worker], workers) == "first"
+    assert name_conflict(older, [same], workers) is None
     status = plan_once(
         make_adapter(name="first"),
         workers=workers,
@@ -616,15 +624,15 @@ def test_selectors_pick_workers_by_labels() -> None:
         WorkerInfo("w3", {"team": "a", "tier": "silver", "frozen": "y"}),
         WorkerInfo("w4", {"team": "b", "tier": "gold"}),
     ]
-    assert [w.name for w in lora.target_workers(ref, workers)] == ["w1"]
+    assert [w.name for w in target_workers(ref, workers)] == ["w1"]
 
 
 def test_pods_of_a_worker_no_longer_targeted_are_unloaded() -> None:
     adapter = make_adapter(worker="new")
     old_track = PodTrack("old-a", "old", AdapterState.LOADED, T0, V1, None, 5, verified=True)
-    plan = lora.plan(
+    plan = planner.plan(
         adapter,
-        Observed(
+        AdapterObservation(
             now=T0,
             workers=[WorkerInfo("new")],
             pods=[Pod("old-a", "old", "198.18.1.2", True), Pod("new-a", "new", "198.18.1.3", True)],
@@ -649,7 +657,7 @@ def test_hf_sources_without_a_pin_are_warned_about(
     uri: str, sha256: str | None, expected: tuple[str, str] | None
 ) -> None:
     status = plan_once(make_adapter(uri, sha256=sha256), workers=[WorkerInfo("llm")])
-    found = [c for c in status.conditions if c.type == lora.SOURCE_PINNED]
+    found = [c for c in status.conditions if c.type == SOURCE_PINNED]
     if expected is None:
         assert found == []
     else:
@@ -694,7 +702,7 @@ def test_transition_times_move_only_when_status_changes() -> None:
 def test_worker_reasons_map_to_camel_case(
     http_status: int, worker_reason: str | None, message: str, reason: str
 ) -> None:
-    assert lora.reason_for(http_status, worker_reason, message) == reason
+    assert reason_for(http_status, worker_reason, message) == reason
 
 
 @pytest.mark.parametrize(
@@ -707,16 +715,16 @@ def test_worker_reasons_map_to_camel_case(
     ],
 )
 def test_worker_messages_are_scrubbed(raw: str, clean: str) -> None:
-    assert lora.scrub(raw) == clean
+    assert scrub(raw) == clean
 
 
 def test_long_worker_messages_are_cut() -> None:
-    assert len(lora.scrub("x" * 5000)) == lora.WORKER_MESSAGE_MAX
+    assert len(scrub("x" * 5000)) == WORKER_MESSAGE_MAX
 
 
 def test_event_manifest_regards_the_adapter() -> None:
-    event = lora.event_manifest(
-        {"name": "sql", "namespace": "ns", "uid": "u1"},
+    event = event_manifest(
+        Regarding(kinds.LORA_ADAPTER, "ns", "sql", "u1"),
         reason="Loaded",
         note="n" * 5000,
         event_type="Normal",

@@ -13,9 +13,11 @@ import pytest
 from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.dynamoworker import DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
-from dynamo_operator.reconcile.events import event_manifest, transitions
-from dynamo_operator.reconcile.observed import PodProblem, PodSummary
-from dynamo_operator.reconcile.status import Observed, compute_status, normalized_status
+from dynamo_operator.k8s import kinds
+from dynamo_operator.reconcile.dynamoworker.pods import PodProblem, PodSummary
+from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
+from dynamo_operator.reconcile.dynamoworker.transitions import note, transitions
+from dynamo_operator.reconcile.events import Regarding, event_manifest
 from support.api_cases import dynamo_worker
 
 pytestmark = pytest.mark.unit
@@ -76,11 +78,11 @@ def message(status: dict[str, Any], type_: str) -> str:
     return str(next(c["message"] for c in status["conditions"] if c["type"] == type_))
 
 
-CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]]] = [
+CASES: list[tuple[str, int, WorkerObservation, dict[str, tuple[str, str]], dict[str, str]]] = [
     (
         "all-ready",
         2,
-        Observed(now=T0, deployment=deployment(), pods=[pod("a"), pod("b")]),
+        WorkerObservation(now=T0, deployment=deployment(), pods=[pod("a"), pod("b")]),
         {
             "Ready": ("True", "AllReplicasReady"),
             "Progressing": ("False", "RolloutComplete"),
@@ -91,7 +93,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "not-created-yet",
         2,
-        Observed(now=T0),
+        WorkerObservation(now=T0),
         {
             "Ready": ("False", "DeploymentMissing"),
             "Progressing": ("True", "Creating"),
@@ -102,42 +104,44 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "controller-not-caught-up",
         2,
-        Observed(now=T0, deployment=deployment(generation=6, observed=5)),
+        WorkerObservation(now=T0, deployment=deployment(generation=6, observed=5)),
         {"Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "RollingOut")},
         {"Progressing": "waiting for the Deployment controller"},
     ),
     (
         "rolling",
         2,
-        Observed(now=T0, deployment=deployment(replicas=3, ready=2, updated=1)),
+        WorkerObservation(now=T0, deployment=deployment(replicas=3, ready=2, updated=1)),
         {"Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "RollingOut")},
         {"Progressing": "1 of 2 pods run generation 3 of the spec (3 pods in all)"},
     ),
     (
         "starting",
         2,
-        Observed(now=T0, deployment=deployment(ready=1), pods=[pod("a"), pod("b", ready=False)]),
+        WorkerObservation(
+            now=T0, deployment=deployment(ready=1), pods=[pod("a"), pod("b", ready=False)]
+        ),
         {"Ready": ("False", "WaitingForPods"), "Progressing": ("True", "ScalingUp")},
         {"Ready": "1 of 2 pods are ready; pods load the model"},
     ),
     (
         "scaling-down",
         1,
-        Observed(now=T0, deployment=deployment(replicas=2, ready=2, updated=2)),
+        WorkerObservation(now=T0, deployment=deployment(replicas=2, ready=2, updated=2)),
         {"Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "ScalingDown")},
         {},
     ),
     (
         "scaled-to-zero",
         0,
-        Observed(now=T0, deployment=deployment(replicas=0, ready=0, updated=0)),
+        WorkerObservation(now=T0, deployment=deployment(replicas=0, ready=0, updated=0)),
         {"Ready": ("True", "ScaledToZero"), "Progressing": ("False", "RolloutComplete")},
         {"Ready": "spec.replicas is 0"},
     ),
     (
         "unschedulable",
         2,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(ready=0),
             pods=[
@@ -155,7 +159,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "missing-secret-beats-crashloop",
         1,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(replicas=2, ready=0),
             pods=[
@@ -169,7 +173,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "image-pull",
         1,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(replicas=1, ready=0, updated=1),
             pods=[pod("x", False, PodProblem.IMAGE_PULL, "ErrImagePull")],
@@ -180,7 +184,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "oom",
         1,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(replicas=1, ready=0, updated=1),
             pods=[pod("x", False, PodProblem.OOM_KILLED, "the container ran out of memory")],
@@ -191,7 +195,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "stalled-rollout",
         2,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(
                 replicas=3,
@@ -215,7 +219,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "replica-failure",
         2,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(
                 ready=0,
@@ -235,14 +239,14 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "child-refused",
         2,
-        Observed(now=T0, child_errors=["Deployment llm: admission webhook denied"]),
+        WorkerObservation(now=T0, child_errors=["Deployment llm: admission webhook denied"]),
         {"Ready": ("False", "ApplyFailed"), "Degraded": ("True", "ApplyFailed")},
         {"Degraded": "Deployment llm: admission webhook denied"},
     ),
     (
         "taints-failed",
         1,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(replicas=1, ready=1, updated=1),
             taint_failures={"x": "HTTP 500: reserved prefix"},
@@ -253,7 +257,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "pod-monitor-missing",
         1,
-        Observed(
+        WorkerObservation(
             now=T0,
             deployment=deployment(replicas=1, ready=1, updated=1),
             pod_monitor_unavailable=True,
@@ -264,7 +268,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
     (
         "invalid-spec",
         1,
-        Observed(now=T0, spec_error="spec.image is unset; set spec.image"),
+        WorkerObservation(now=T0, spec_error="spec.image is unset; set spec.image"),
         {
             "Ready": ("False", "InvalidSpec"),
             "Progressing": ("False", "InvalidSpec"),
@@ -281,7 +285,7 @@ CASES: list[tuple[str, int, Observed, dict[str, tuple[str, str]], dict[str, str]
 def test_conditions_for_each_observation(
     case: str,
     replicas: int,
-    observed: Observed,
+    observed: WorkerObservation,
     expected: dict[str, tuple[str, str]],
     messages: dict[str, str],
 ) -> None:
@@ -298,7 +302,7 @@ def test_conditions_for_each_observation(
 
 def test_counts_selector_and_generation() -> None:
     status = compute_status(
-        worker(2), Observed(now=T0, deployment=deployment(replicas=3, ready=2, updated=1))
+        worker(2), WorkerObservation(now=T0, deployment=deployment(replicas=3, ready=2, updated=1))
     )
     assert status["observedGeneration"] == 3
     assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (3, 2, 1)
@@ -306,28 +310,34 @@ def test_counts_selector_and_generation() -> None:
 
 
 def test_transition_time_moves_only_when_status_changes() -> None:
-    first = compute_status(worker(), Observed(now=T0, deployment=deployment(ready=1)))
+    first = compute_status(worker(), WorkerObservation(now=T0, deployment=deployment(ready=1)))
     later = T0 + timedelta(minutes=5)
     # Same statuses, other counts in the message: the transition time stays.
     second = compute_status(
-        worker(status=first), Observed(now=later, deployment=deployment(ready=1, replicas=3))
+        worker(status=first),
+        WorkerObservation(now=later, deployment=deployment(ready=1, replicas=3)),
     )
     ready = {c["type"]: c for c in second["conditions"]}["Ready"]
     assert ready["lastTransitionTime"] == "2026-01-01T12:00:00Z"
-    third = compute_status(worker(status=second), Observed(now=later, deployment=deployment()))
+    third = compute_status(
+        worker(status=second), WorkerObservation(now=later, deployment=deployment())
+    )
     ready = {c["type"]: c for c in third["conditions"]}["Ready"]
     assert (ready["status"], ready["lastTransitionTime"]) == ("True", "2026-01-01T12:05:00Z")
 
 
 def test_converged_status_recomputes_equal() -> None:
-    observed = Observed(now=T0, deployment=deployment(), pods=[pod("b"), pod("a")])
+    observed = WorkerObservation(now=T0, deployment=deployment(), pods=[pod("b"), pod("a")])
     status = compute_status(worker(), observed)
     again = compute_status(
         worker(status=copy.deepcopy(status)),
-        Observed(now=T0 + timedelta(hours=1), deployment=deployment(), pods=[pod("a"), pod("b")]),
+        WorkerObservation(
+            now=T0 + timedelta(hours=1), deployment=deployment(), pods=[pod("a"), pod("b")]
+        ),
     )
     assert again == status
-    assert normalized_status(status) == status
+    # As the status is stored: read back, it is what a write would send.
+    assert DynamoWorkerStatus.model_validate(status).to_dict() == status
 
 
 def metadata_record(pod_name: str) -> DynamoWorkerMetadata:
@@ -361,7 +371,7 @@ def metadata_record(pod_name: str) -> DynamoWorkerMetadata:
 
 
 def test_per_pod_summaries_come_from_worker_metadata() -> None:
-    observed = Observed(
+    observed = WorkerObservation(
         now=T0,
         deployment=deployment(),
         pods=[
@@ -471,13 +481,13 @@ def test_pod_summary_reads_problems(
 
 def test_events_for_significant_transitions_only() -> None:
     first = DynamoWorkerStatus.model_validate(
-        compute_status(worker(), Observed(now=T0, deployment=deployment(ready=0)))
+        compute_status(worker(), WorkerObservation(now=T0, deployment=deployment(ready=0)))
     )
     # Created and not ready yet: only the rollout is news.
     news = transitions([], first.conditions)
     assert [(c.type, c.status, t) for c, t in news] == [("Progressing", "True", "Normal")]
     ready = DynamoWorkerStatus.model_validate(
-        compute_status(worker(), Observed(now=T0, deployment=deployment()))
+        compute_status(worker(), WorkerObservation(now=T0, deployment=deployment()))
     )
     news = transitions(first.conditions, ready.conditions)
     assert [(c.type, c.reason, t) for c, t in news] == [
@@ -488,14 +498,16 @@ def test_events_for_significant_transitions_only() -> None:
     degraded = DynamoWorkerStatus.model_validate(
         compute_status(
             worker(),
-            Observed(now=T0, deployment=deployment(), taint_failures={"a": "refused"}),
+            WorkerObservation(now=T0, deployment=deployment(), taint_failures={"a": "refused"}),
         )
     )
     condition, kind = transitions(ready.conditions, degraded.conditions)[0]
     event = event_manifest(
-        {"name": "llm", "namespace": "ns", "uid": "u-1"},
-        condition,
-        kind,
+        Regarding(kinds.DYNAMO_WORKER, "ns", "llm", "u-1"),
+        reason=condition.reason,
+        note=note(condition),
+        event_type=kind,
+        action="Reconcile",
         now=T0,
         reporting_instance="op-0",
     )
@@ -534,7 +546,7 @@ def test_ready_waits_for_the_frontend(
     fragment: str,
     counts: tuple[int, int],
 ) -> None:
-    observed = Observed(now=T0, deployment=deployment(), frontend_deployment=frontend)
+    observed = WorkerObservation(now=T0, deployment=deployment(), frontend_deployment=frontend)
     status = compute_status(with_frontend(frontend_replicas), observed)
     assert conditions(status)["Ready"] == ready
     assert fragment in message(status, "Ready")
@@ -544,7 +556,7 @@ def test_ready_waits_for_the_frontend(
 
 
 def test_no_frontend_no_frontend_status() -> None:
-    status = compute_status(worker(), Observed(now=T0, deployment=deployment()))
+    status = compute_status(worker(), WorkerObservation(now=T0, deployment=deployment()))
     assert "frontend" not in status
 
 
@@ -561,7 +573,7 @@ def test_a_failing_frontend_degrades() -> None:
         ],
     )
     stalled["metadata"]["name"] = "llm-frontend"
-    observed = Observed(now=T0, deployment=deployment(), frontend_deployment=stalled)
+    observed = WorkerObservation(now=T0, deployment=deployment(), frontend_deployment=stalled)
     status = compute_status(with_frontend(1), observed)
     assert conditions(status)["Degraded"] == ("True", "FrontendFailing")
     assert "llm-frontend" in message(status, "Degraded")

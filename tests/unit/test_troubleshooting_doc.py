@@ -2,9 +2,9 @@
 
 The reasons are collected from the source, not from a list kept by hand: every CamelCase
 string literal that the reconcilers put where a reason goes (a `reason=` argument, a
-`_Wanted(type, status, REASON, ...)`, an assignment to or comparison with a `reason`, an
-Event's reason), the reason tables of `reconcile.lora`, the pod problems of
-`reconcile.status`, and the per-pod adapter states.
+`WantedCondition(type, status, REASON, ...)`, an assignment to or comparison with a `reason`, an
+Event's reason), the reason tables of `pods.adapters` and `reconcile.loraadapter.reasons`,
+the pod problems of `reconcile.dynamoworker.status`, and the per-pod adapter states.
 """
 
 from __future__ import annotations
@@ -16,15 +16,24 @@ from pathlib import Path
 import pytest
 
 from dynamo_operator.api.loraadapter import AdapterState
-from dynamo_operator.reconcile import lora, status
+from dynamo_operator.pods import adapters
+from dynamo_operator.reconcile.dynamoworker import status
+from dynamo_operator.reconcile.loraadapter import reasons
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "troubleshooting.md"
-RECONCILE = REPO / "operator" / "src" / "dynamo_operator" / "reconcile"
+OPERATOR = REPO / "operator" / "src" / "dynamo_operator"
 # The modules that write conditions, per-pod adapter states and Events of our kinds.
-SOURCES = ("status.py", "worker.py", "lora.py", "lora_http.py", "lora_reconciler.py")
+SOURCES = (
+    "reconcile/dynamoworker/status.py",
+    "reconcile/dynamoworker/reconciler.py",
+    "reconcile/loraadapter/plan.py",
+    "reconcile/loraadapter/status.py",
+    "reconcile/loraadapter/reconciler.py",
+    "pods/adapters.py",
+)
 CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]+$")
 
 
@@ -61,7 +70,7 @@ def reasons_in(source: str) -> set[str]:
             for keyword in node.keywords:
                 if keyword.arg == "reason":
                     found |= _strings(keyword.value)
-            if _callee(node) == "_Wanted" and len(node.args) >= 3:
+            if _callee(node) == "WantedCondition" and len(node.args) >= 3:
                 found |= _strings(node.args[2])
             if _callee(node) == "_event" and len(node.args) >= 2:
                 found |= _strings(node.args[1])
@@ -81,10 +90,10 @@ def code_reasons() -> set[str]:
     """Every reason the operator can write, from the code."""
     found: set[str] = set()
     for name in SOURCES:
-        found |= reasons_in((RECONCILE / name).read_text())
-    found |= set(lora.WORKER_REASONS.values()) | set(lora.FIXES) | set(lora.REASON_ORDER)
+        found |= reasons_in((OPERATOR / name).read_text())
+    found |= set(adapters.WORKER_REASONS.values()) | set(reasons.FIXES) | set(reasons.REASON_ORDER)
     found |= {reason for reason, _ in status._PROBLEM_REASONS.values()}
-    found |= {lora.CAPACITY_EXCEEDED, lora.WORKER_UNREACHABLE, lora.LORA_DISABLED}
+    found |= {adapters.CAPACITY_EXCEEDED, adapters.WORKER_UNREACHABLE, adapters.LORA_DISABLED}
     return found
 
 
@@ -97,13 +106,13 @@ def test_the_collector_finds_reasons_of_every_kind() -> None:
     # A guard against a collector that silently finds nothing.
     reasons = code_reasons()
     for expected in (
-        "AllReplicasReady",  # DynamoWorker Ready (_Wanted)
-        "InvalidSpec",  # worker.py reason= keyword
+        "AllReplicasReady",  # DynamoWorker Ready (WantedCondition)
+        "InvalidSpec",  # reconciler.py reason= keyword
         "OOMKilled",  # pod problem table
         "NameConflict",  # LoRAAdapter conditions
         "BackingOff",  # per-pod reason (keyword)
         "NotLoaded",  # compared with result.reason
-        "ListFailed",  # lora_http
+        "ListFailed",  # pods.adapters
         "Unloaded",  # Event reason
         "UnpinnedRevision",  # SourcePinned condition
         "DownloadTimeout",  # worker reason table
@@ -115,7 +124,7 @@ def test_the_collector_finds_reasons_of_every_kind() -> None:
 def test_reasons_in_reads_each_place_a_reason_goes() -> None:
     source = (
         "a = OpResult(reason='FromKeyword')\n"
-        "_Wanted(t, 'True', 'FromWanted', 'm')\n"
+        "WantedCondition(t, 'True', 'FromWanted', 'm')\n"
         "reason = 'FromIf' if x else 'FromElse'\n"
         "if t.reason == 'FromCompare': pass\n"
         "r = y.reason or 'FromOr'\n"

@@ -10,8 +10,8 @@ import pytest
 
 from dynamo_operator import cli
 from dynamo_operator.api import DynamoWorker
-from dynamo_operator.reconcile.builders import desired_deployment
-from dynamo_operator.reconcile.settings import ReconcileSettings
+from dynamo_operator.reconcile.dynamoworker.builders import desired_deployment
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from support.api_cases import dynamo_worker
 
 pytestmark = pytest.mark.unit

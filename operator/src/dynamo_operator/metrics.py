@@ -13,14 +13,25 @@
 - `dynamo_operator_lora_load_failures_total{reason}`: failed adapter loads, by CamelCase reason.
 - `dynamo_operator_lora_adapters{namespace,pod}`: adapters each worker pod lists in
   `GET /v1/loras`, as last seen.
+- `dynamo_operator_status_condition{kind,namespace,name,type}`: 1 while a managed object's
+  condition (Ready, Progressing, Degraded) is True, else 0, from the status the operator
+  computed last (the chart's alerts and dashboard read it).
+- `dynamo_operator_dynamoworker_desired_replicas{namespace,name}` and
+  `dynamo_operator_dynamoworker_ready_replicas{namespace,name}`: `spec.replicas` and
+  `status.readyReplicas` of each DynamoWorker.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 WRITE_VERBS = frozenset({"apply", "delete", "patch-status", "create"})
+MANAGED_KINDS = ("DynamoWorker", "LoRAAdapter")
 
 
 class OperatorMetrics:
@@ -78,6 +89,61 @@ class OperatorMetrics:
             ["namespace", "pod"],
             registry=self.registry,
         )
+
+        self.status_condition = Gauge(
+            "dynamo_operator_status_condition",
+            "Conditions of managed objects: 1 while the condition is True, else 0.",
+            ["kind", "namespace", "name", "type"],
+            registry=self.registry,
+        )
+        self.desired_replicas = Gauge(
+            "dynamo_operator_dynamoworker_desired_replicas",
+            "Worker pods a DynamoWorker asks for (spec.replicas).",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
+        self.ready_replicas = Gauge(
+            "dynamo_operator_dynamoworker_ready_replicas",
+            "Ready worker pods of a DynamoWorker (status.readyReplicas).",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
+        # Per object: the condition types it has gauges for (dropped with the object).
+        self._condition_types: dict[tuple[str, str, str], set[str]] = {}
+        # Both kinds from the start: the error counters at 0 (so rate() has a series before
+        # the first error), and the gauge whose absence means that no operator is running
+        # (the chart's DynamoOperatorAbsent alert).
+        for kind in MANAGED_KINDS:
+            self.reconcile_errors.labels(kind=kind)
+            self.managed_objects.labels(kind=kind)
+
+    def record_status(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        status: Mapping[str, Any],
+        desired_replicas: int | None = None,
+    ) -> None:
+        """Set the condition gauges of one object from the `status` it was given (camelCase,
+        as written), and its replica gauges when `desired_replicas` is known."""
+        types = self._condition_types.setdefault((kind, namespace, name), set())
+        for condition in status.get("conditions") or []:
+            value = 1.0 if condition.get("status") == "True" else 0.0
+            self.status_condition.labels(kind, namespace, name, condition["type"]).set(value)
+            types.add(condition["type"])
+        if desired_replicas is not None:
+            self.desired_replicas.labels(namespace, name).set(desired_replicas)
+            self.ready_replicas.labels(namespace, name).set(status.get("readyReplicas", 0))
+
+    def forget_object(self, kind: str, namespace: str, name: str) -> None:
+        """Drop the gauges of an object that is gone."""
+        for type_ in self._condition_types.pop((kind, namespace, name), set()):
+            self.status_condition.remove(kind, namespace, name, type_)
+        if kind == "DynamoWorker":
+            for gauge in (self.desired_replicas, self.ready_replicas):
+                with contextlib.suppress(KeyError):  # no status was ever recorded
+                    gauge.remove(namespace, name)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

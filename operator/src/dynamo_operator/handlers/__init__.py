@@ -2,6 +2,12 @@
 
 `run(config)` builds a registry with every handler, the kopf settings and the shared context,
 and runs kopf until it is stopped.
+
+- `settings`: `OperatorConfig` (the command line's options); `context`: the services built at
+  startup and the per-object wake-ups (kopf's memo); `metrics_server`: `/metrics`.
+- `indices`: every kopf index, behind one typed view; `resync`: the one resync loop.
+- `dynamoworker`, `loraadapter`: each kind's handlers; `lifecycle`: kopf's settings, login,
+  startup and cleanup, the liveness probe.
 """
 
 from __future__ import annotations
@@ -11,14 +17,16 @@ import logging
 
 import kopf
 
-from dynamo_operator.handlers import dynamoworker, lifecycle, loraadapter
-from dynamo_operator.handlers.context import OperatorConfig, OperatorContext
+from dynamo_operator.handlers import dynamoworker, indices, lifecycle, loraadapter
+from dynamo_operator.handlers.context import OperatorContext
+from dynamo_operator.handlers.settings import HEALTH_HOST, OperatorConfig
 
 
 def build_registry() -> kopf.OperatorRegistry:
     """A registry holding all of the operator's handlers."""
     registry = kopf.OperatorRegistry()
     lifecycle.register(registry)
+    indices.register(registry)
     dynamoworker.register(registry)
     loraadapter.register(registry)
     return registry
@@ -42,7 +50,7 @@ async def operate(config: OperatorConfig) -> None:
         standalone=True,
         clusterwide=config.all_namespaces,
         namespaces=list(config.namespaces),
-        liveness_endpoint=f"http://{config.health_host}:{config.health_port}/healthz",
+        liveness_endpoint=f"http://{HEALTH_HOST}:{config.health_port}/healthz",
     )
 
 

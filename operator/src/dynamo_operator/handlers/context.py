@@ -1,10 +1,9 @@
-"""The operator's configuration and the services built from it at startup (kopf's memo).
+"""The services built at startup and the per-object wake-ups (kopf's memo).
 
-`OperatorConfig` comes from the command line. `OperatorContext` is the memo kopf hands every
-handler: it starts empty, `start()` builds the API client, the reconcilers (DynamoWorker and
-LoRAAdapter), the taint pusher and the metrics server once the event loop runs, and `stop()`
-closes them. Its `__copy__` returns itself, so the per-object memos kopf makes are all this
-one shared context.
+`OperatorContext` is the memo kopf hands every handler: it starts empty, `start()` builds the
+API client, the reconcilers (DynamoWorker and LoRAAdapter), the pod clients and the metrics
+server once the event loop runs, and `stop()` closes them. Its `__copy__` returns itself, so
+the per-object memos kopf makes are all this one shared context.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -21,63 +19,22 @@ import aiohttp
 from aiohttp import web
 from kubernetes_asyncio import client
 
+from dynamo_operator.handlers.metrics_server import serve_metrics
+from dynamo_operator.handlers.settings import METRICS_HOST, OperatorConfig
 from dynamo_operator.k8s.client import Cluster, connect
 from dynamo_operator.metrics import OperatorMetrics
+from dynamo_operator.pods.adapters import LoraClient
+from dynamo_operator.pods.taints import TaintPusher
 from dynamo_operator.reconcile.crds import install_crds
-from dynamo_operator.reconcile.lora import Backoff
-from dynamo_operator.reconcile.lora_http import LoraClient
-from dynamo_operator.reconcile.lora_reconciler import LoraReconciler
-from dynamo_operator.reconcile.settings import ReconcileSettings
-from dynamo_operator.reconcile.taints import TaintPusher
-from dynamo_operator.reconcile.worker import WorkerReconciler
+from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
+from dynamo_operator.reconcile.loraadapter.reconciler import LoraReconciler
 
 logger = logging.getLogger(__name__)
 
-WorkerKey = tuple[str, str]  # (namespace, DynamoWorker name)
-AdapterKey = tuple[str, str]  # (namespace, LoRAAdapter name)
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    """How the operator runs (from `dynamo-operator run`'s options).
-
-    `resync_seconds`: every DynamoWorker is reconciled at least this often, which repairs
-    drift no watch reports (a child deleted out of band, an edited Role). `debounce_seconds`:
-    a burst of child events (pods becoming ready) leads to one reconcile after this pause.
-    `crash_after_writes`: fault injection for tests (exit after that many writes).
-    `lora_*`: requests to the pods' `/v1/loras` (bounded concurrency; timeouts for lists
-    and unloads, and for loads, which wait for the download); the longest a LoRAAdapter's
-    deletion waits for its unloads; the first retry delay after a failed load (doubling up
-    to 5 minutes).
-    """
-
-    namespaces: tuple[str, ...] = ()
-    all_namespaces: bool = False
-    worker_image: str | None = None
-    worker_image_pull_secrets: tuple[str, ...] = ()
-    frontend_image: str | None = None
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int = 8080
-    health_host: str = "0.0.0.0"
-    health_port: int = 8081
-    resync_seconds: float = 30.0
-    debounce_seconds: float = 0.2
-    install_crds: bool = True
-    request_timeout_seconds: float = 30.0
-    taint_concurrency: int = 16
-    taint_timeout_seconds: float = 5.0
-    crash_after_writes: int | None = None
-    lora_concurrency: int = 16
-    lora_request_timeout_seconds: float = 5.0
-    lora_load_timeout_seconds: float = 900.0
-    lora_unload_bound_seconds: float = 10.0
-    lora_backoff_seconds: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.all_namespaces == bool(self.namespaces):
-            raise ValueError("give --namespace (one or more) or --all-namespaces, not both")
-        if self.resync_seconds <= 0:
-            raise ValueError("--resync-seconds must be positive")
+DYNAMO_WORKER = "DynamoWorker"
+LORA_ADAPTER = "LoRAAdapter"
+ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
 
 
 @dataclass
@@ -101,9 +58,8 @@ class OperatorContext:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     started_at: float = field(default_factory=time.monotonic)
     _services: Services | None = None
-    _triggers: dict[WorkerKey, asyncio.Event] = field(default_factory=dict)
-    _locks: dict[WorkerKey, asyncio.Lock] = field(default_factory=dict)
-    _lora_triggers: dict[AdapterKey, asyncio.Event] = field(default_factory=dict)
+    _triggers: dict[ObjectKey, asyncio.Event] = field(default_factory=dict)
+    _locks: dict[ObjectKey, asyncio.Lock] = field(default_factory=dict)
 
     def __copy__(self) -> Self:
         return self
@@ -114,15 +70,10 @@ class OperatorContext:
             raise RuntimeError("the operator context is not started")
         return self._services
 
-    async def start(self, on_taints_done: Callable[[str, str], None] | None = None) -> None:
+    async def start(self) -> None:
         """Build the clients and servers; install the CRDs when configured to."""
         api = await connect()
-        cluster = Cluster(
-            api,
-            self.metrics,
-            request_timeout_seconds=self.config.request_timeout_seconds,
-            crash_after_writes=self.config.crash_after_writes,
-        )
+        cluster = Cluster(api, self.metrics, crash_after_writes=self.config.crash_after_writes)
         if self.config.install_crds:
             written = await install_crds(cluster)
             if written:
@@ -130,9 +81,7 @@ class OperatorContext:
         http = aiohttp.ClientSession()
         taints = TaintPusher(
             http,
-            on_done=on_taints_done or self.trigger,
-            concurrency=self.config.taint_concurrency,
-            timeout_seconds=self.config.taint_timeout_seconds,
+            on_done=lambda namespace, worker: self.wake(DYNAMO_WORKER, namespace, worker),
             metrics=self.metrics,
         )
         reconciler = WorkerReconciler(
@@ -147,39 +96,15 @@ class OperatorContext:
         )
         lora = LoraReconciler(
             cluster,
-            LoraClient(
-                http,
-                concurrency=self.config.lora_concurrency,
-                request_timeout_seconds=self.config.lora_request_timeout_seconds,
-                load_timeout_seconds=self.config.lora_load_timeout_seconds,
-            ),
+            LoraClient(http),
             metrics=self.metrics,
-            backoff=Backoff(base_seconds=self.config.lora_backoff_seconds),
-            on_change=self.trigger_lora,
+            on_change=lambda namespace, name: self.wake(LORA_ADAPTER, namespace, name),
             reporting_instance=socket.gethostname(),
-            unload_bound_seconds=self.config.lora_unload_bound_seconds,
         )
-        runner = await self._serve_metrics() if self.config.metrics_port >= 0 else None
+        runner = None
+        if self.config.metrics_port >= 0:
+            runner = await serve_metrics(self.metrics, METRICS_HOST, self.config.metrics_port)
         self._services = Services(api, cluster, reconciler, http, taints, lora, runner)
-
-    async def _serve_metrics(self) -> web.AppRunner:
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(
-                body=self.metrics.exposition(),
-                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-            )
-
-        app = web.Application()
-        app.add_routes([web.get("/metrics", metrics)])
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port).start()
-        logger.info(
-            "Serving metrics at http://%s:%d/metrics",
-            self.config.metrics_host,
-            self.config.metrics_port,
-        )
-        return runner
 
     async def stop(self) -> None:
         """Close what `start()` built."""
@@ -193,35 +118,21 @@ class OperatorContext:
             await services.metrics_runner.cleanup()
         await services.api.close()
 
-    def trigger(self, namespace: str, worker: str) -> None:
-        """Ask for a prompt reconcile of a worker (no-op when it has no resync loop)."""
-        event = self._triggers.get((namespace, worker))
+    def wake(self, kind: str, namespace: str, name: str) -> None:
+        """Ask for a prompt reconcile of an object (no-op when it has no resync loop)."""
+        event = self._triggers.get((kind, namespace, name))
         if event is not None:
             event.set()
 
-    def trigger_event(self, namespace: str, worker: str) -> asyncio.Event:
-        """The event a worker's resync loop waits on (created on first use)."""
-        return self._triggers.setdefault((namespace, worker), asyncio.Event())
+    def trigger(self, kind: str, namespace: str, name: str) -> asyncio.Event:
+        """The event an object's resync loop waits on (created on first use)."""
+        return self._triggers.setdefault((kind, namespace, name), asyncio.Event())
 
-    def lock(self, namespace: str, worker: str) -> asyncio.Lock:
-        """Serializes reconciles of one worker (change handlers and the resync loop)."""
-        return self._locks.setdefault((namespace, worker), asyncio.Lock())
+    def lock(self, kind: str, namespace: str, name: str) -> asyncio.Lock:
+        """Serializes reconciles of one object (change handlers and its resync loop)."""
+        return self._locks.setdefault((kind, namespace, name), asyncio.Lock())
 
-    def trigger_lora(self, namespace: str, name: str) -> None:
-        """Ask for a prompt reconcile of a LoRAAdapter (no-op when it has no daemon)."""
-        event = self._lora_triggers.get((namespace, name))
-        if event is not None:
-            event.set()
-
-    def lora_trigger_event(self, namespace: str, name: str) -> asyncio.Event:
-        """The event a LoRAAdapter's daemon waits on (created on first use)."""
-        return self._lora_triggers.setdefault((namespace, name), asyncio.Event())
-
-    def forget_lora(self, namespace: str, name: str) -> None:
-        """Drop the trigger of a LoRAAdapter whose daemon ended."""
-        self._lora_triggers.pop((namespace, name), None)
-
-    def forget(self, namespace: str, worker: str) -> None:
-        """Drop per-worker state once its resync loop ends."""
-        self._triggers.pop((namespace, worker), None)
-        self._locks.pop((namespace, worker), None)
+    def forget(self, kind: str, namespace: str, name: str) -> None:
+        """Drop an object's trigger and lock once its resync loop ends."""
+        self._triggers.pop((kind, namespace, name), None)
+        self._locks.pop((kind, namespace, name), None)

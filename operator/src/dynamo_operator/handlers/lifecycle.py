@@ -26,9 +26,9 @@ from typing import Any
 import kopf
 
 from dynamo_operator.handlers.context import OperatorContext
-from dynamo_operator.reconcile.labels import FINALIZER
 
 ANNOTATION_PREFIX = "dynamo.dev"
+FINALIZER = f"{ANNOTATION_PREFIX}/finalizer"
 WATCH_SERVER_TIMEOUT_SECONDS = 300
 WATCH_CLIENT_TIMEOUT_SECONDS = 330
 WATCH_CONNECT_TIMEOUT_SECONDS = 30

@@ -1,10 +1,10 @@
-"""Reconciling DynamoWorkers (no kopf here).
+"""Reconciling the operator's kinds (no kopf here): one package per kind, and what both share.
 
-- `builders`: pure `desired_*(dw) -> dict` manifests of the children; `interface`: the worker
-  runtime's command, env names, ports and the shutdown arithmetic; `labels`: names and labels.
-- `status`: pure `compute_status(dw, observed)`; `observed`: pod summaries; `events`: Events
-  for condition transitions.
+- `dynamoworker/`, `loraadapter/`: each kind's reconciler, pure planners and builders, status.
 - `converge`: when to apply a child (semantic subset plus the applied-hash annotation).
-- `worker`: one reconcile pass (apply, read back, status); `taints`: model-taint pushes to
-  pods; `crds`: CRD installation at startup.
+- `status_writer`: status patches only when the status changed, for both kinds.
+- `events`: the one Event builder and recorder.
+- `errors`: what the reconcilers raise; `crds`: CRD installation at startup.
+
+Imports `api`, `k8s` and `pods`; never `handlers` or kopf.
 """

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from dynamo_operator.reconcile.labels import APPLIED_HASH_ANNOTATION
+# A hash of the manifest the operator last applied (see the module doc).
+APPLIED_HASH_ANNOTATION = "dynamo.dev/applied-hash"
 
 _SUFFIXES = {
     "Ki": Decimal(2) ** 10,

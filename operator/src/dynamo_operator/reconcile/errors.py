@@ -11,3 +11,7 @@ class SpecError(ReconcileError):
     """The DynamoWorker cannot be turned into children as it stands: the message names the
     field and the fix. Retrying does not help until the object (or the operator's
     configuration) changes."""
+
+
+class TransientError(ReconcileError):
+    """The API server could not be reached or asked to retry; the reconcile runs again."""

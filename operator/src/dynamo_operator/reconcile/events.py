@@ -1,86 +1,112 @@
-"""Kubernetes Events for significant condition transitions of a DynamoWorker (pure builders).
+"""Kubernetes Events about the operator's own objects (events.k8s.io/v1), for both kinds.
 
-An Event is recorded when a condition changes status: Ready turning True or False, a rollout
-starting or finishing, Degraded appearing or clearing. A condition seen for the first time is
-recorded only when it is news (Ready or Progressing True, Degraded True), so creating a
-worker does not start with a row of "not ready yet" events.
+`event_manifest` is the one builder (pure); `EventRecorder` creates Events through the API
+client, best effort: an Event that cannot be recorded is logged and never fails a reconcile.
+What is worth an Event is each kind's business (`dynamoworker.transitions`, the LoRAAdapter
+reconciler's load and unload results).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from dynamo_operator.api.common import API_VERSION, Condition, ConditionType
-from dynamo_operator.api.dynamoworker import KIND
+from dynamo_operator.api.conditions import now as utc_now
+from dynamo_operator.k8s import kinds
+from dynamo_operator.k8s.client import ApiError, Cluster
+
+logger = logging.getLogger(__name__)
 
 REPORTING_CONTROLLER = "dynamo.dev/dynamo-operator"
 NOTE_MAX = 1024
-_FIRST_SEEN_NEWS = {
-    (ConditionType.READY, "True"),
-    (ConditionType.PROGRESSING, "True"),
-    (ConditionType.DEGRADED, "True"),
-}
 
 
-def _event_type(condition: Condition) -> str:
-    if condition.type == ConditionType.DEGRADED and condition.status == "True":
-        return "Warning"
-    if condition.type == ConditionType.READY and condition.status == "False":
-        return "Warning"
-    if condition.reason == "ProgressDeadlineExceeded":
-        return "Warning"
-    return "Normal"
+@dataclass(frozen=True)
+class Regarding:
+    """The object an Event is about."""
 
+    kind: kinds.Kind
+    namespace: str
+    name: str
+    uid: str
 
-def transitions(old: Sequence[Condition], new: Sequence[Condition]) -> list[tuple[Condition, str]]:
-    """The conditions of `new` worth an Event, with the Event type (Normal or Warning)."""
-    before = {c.type: c for c in old}
-    out = []
-    for condition in new:
-        previous = before.get(condition.type)
-        if previous is None:
-            if (condition.type, condition.status) not in _FIRST_SEEN_NEWS:
-                continue
-        elif previous.status == condition.status:
-            continue
-        out.append((condition, _event_type(condition)))
-    return out
-
-
-def _micro_time(at: datetime) -> str:
-    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    @classmethod
+    def of(cls, kind: kinds.Kind, meta: Mapping[str, Any]) -> Regarding:
+        """The object of `kind` whose metadata is `meta`."""
+        return cls(
+            kind,
+            str(meta.get("namespace", "")),
+            str(meta.get("name", "")),
+            str(meta.get("uid", "")),
+        )
 
 
 def event_manifest(
-    owner: Mapping[str, Any],
-    condition: Condition,
-    event_type: str,
+    regarding: Regarding,
     *,
+    reason: str,
+    note: str,
+    event_type: str,
+    action: str,
     now: datetime,
     reporting_instance: str,
 ) -> dict[str, Any]:
-    """An events.k8s.io/v1 Event about the DynamoWorker `owner` (its metadata)."""
-    name = str(owner["name"])
-    note = f"{condition.type}={condition.status}: {condition.message}"
+    """An events.k8s.io/v1 Event about `regarding` (`event_type`: Normal or Warning)."""
     return {
         "apiVersion": "events.k8s.io/v1",
         "kind": "Event",
-        "metadata": {"name": f"{name}.{secrets.token_hex(8)}", "namespace": owner["namespace"]},
-        "eventTime": _micro_time(now),
+        "metadata": {
+            "name": f"{regarding.name}.{secrets.token_hex(8)}",
+            "namespace": regarding.namespace,
+        },
+        "eventTime": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "reportingController": REPORTING_CONTROLLER,
         "reportingInstance": reporting_instance[:128],
-        "action": "Reconcile",
-        "reason": condition.reason[:128],
+        "action": action,
+        "reason": reason[:128],
         "type": event_type,
         "note": note[:NOTE_MAX],
         "regarding": {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": name,
-            "namespace": owner["namespace"],
-            "uid": owner["uid"],
+            "apiVersion": regarding.kind.api_version,
+            "kind": regarding.kind.kind,
+            "name": regarding.name,
+            "namespace": regarding.namespace,
+            "uid": regarding.uid,
         },
     }
+
+
+@dataclass
+class EventRecorder:
+    """Records Events as `reporting_instance` (the operator pod's name)."""
+
+    cluster: Cluster
+    reporting_instance: str = "dynamo-operator"
+    clock: Callable[[], datetime] = utc_now
+
+    async def record(
+        self,
+        regarding: Regarding,
+        *,
+        reason: str,
+        note: str,
+        action: str,
+        warning: bool = False,
+    ) -> None:
+        manifest = event_manifest(
+            regarding,
+            reason=reason,
+            note=note,
+            event_type="Warning" if warning else "Normal",
+            action=action,
+            now=self.clock(),
+            reporting_instance=self.reporting_instance,
+        )
+        try:
+            await self.cluster.create_event(regarding.namespace, manifest)
+        except ApiError as err:  # events are best effort
+            logger.warning("Event not recorded: %s", err)

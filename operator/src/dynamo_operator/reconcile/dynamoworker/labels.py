@@ -9,10 +9,7 @@ from __future__ import annotations
 from dynamo_operator.api.common import API_VERSION
 
 PREFIX = "dynamo.dev/"
-FINALIZER = f"{PREFIX}finalizer"
 WORKER_LABEL = f"{PREFIX}worker"
-# A hash of the manifest the operator last applied; see `reconcile.converge`.
-APPLIED_HASH_ANNOTATION = f"{PREFIX}applied-hash"
 MANAGED_BY = "dynamo-operator"
 PART_OF = "dynamo"
 # Upstream Dynamo's Kubernetes discovery lists a worker only while its pod is Ready behind an

@@ -20,9 +20,9 @@ from aiohttp import web
 
 from dynamo.common.lora import LoRAManager, adapter_digest
 from dynamo.engines.lora_host import LoRAAdapterHost
-from dynamo.runtime.admin import EngineRoutes
-from dynamo.runtime.loras import LoraRoutes
-from dynamo_operator.reconcile.lora_http import LoraClient
+from dynamo.runtime.system.admin import EngineRoutes
+from dynamo.runtime.system.loras import LoraRoutes
+from dynamo_operator.pods.adapters import LoraClient
 from support.loopback_http import LoopbackHttpServer, serve
 from support.lora_adapters import adapter_files, lora_env, write_tree
 

@@ -1,4 +1,4 @@
-"""Reconciling LoRAAdapters: observe the pods, run `lora.plan`, start requests, write status.
+"""Reconciling LoRAAdapters: observe the pods, run `plan.plan`, start requests, write status.
 
 One `LoraReconciler` per operator. Per adapter (by uid) it keeps the pod tracks (seeded from
 status after a restart), the requests in flight and when each pod started wanting the
@@ -24,24 +24,30 @@ from datetime import datetime
 from typing import Any
 
 from dynamo_operator.api.conditions import now as utc_now
-from dynamo_operator.api.loraadapter import LoRAAdapter
+from dynamo_operator.api.loraadapter import LoRAAdapter, LoRAAdapterStatus
 from dynamo_operator.k8s import kinds
-from dynamo_operator.k8s.client import ApiError, Cluster
+from dynamo_operator.k8s.client import Cluster
 from dynamo_operator.metrics import OperatorMetrics
-from dynamo_operator.reconcile import lora
-from dynamo_operator.reconcile.lora import (
+from dynamo_operator.pods.adapters import Listing, LoraClient, OpResult
+from dynamo_operator.reconcile.events import EventRecorder, Regarding
+from dynamo_operator.reconcile.loraadapter.model import (
     Action,
-    AdapterRef,
+    AdapterObservation,
     Backoff,
     InFlight,
-    Listing,
-    OpResult,
     Pod,
     PodTrack,
-    WorkerInfo,
 )
-from dynamo_operator.reconcile.lora_http import LoraClient
-from dynamo_operator.reconcile.worker import TransientError
+from dynamo_operator.reconcile.loraadapter.plan import Plan, plan, record_result
+from dynamo_operator.reconcile.loraadapter.reasons import scrub
+from dynamo_operator.reconcile.loraadapter.targeting import (
+    AdapterRef,
+    WorkerInfo,
+    missing_worker_message,
+    name_conflict,
+    target_workers,
+)
+from dynamo_operator.reconcile.status_writer import StatusWriter
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +87,29 @@ class _Adapter:
     source: tuple[str, str | None] | None = None
     seeded: bool = False
     deleting: bool = False
-    written: tuple[dict[str, Any], dict[str, Any]] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def meta(self) -> dict[str, str]:
         return {"namespace": self.namespace, "name": self.name, "uid": self.uid}
 
+    @property
+    def regarding(self) -> Regarding:
+        return Regarding(kinds.LORA_ADAPTER, self.namespace, self.name, self.uid)
+
 
 PodsOf = Callable[[str], Sequence[Pod]]
+
+
+@dataclass(frozen=True)
+class NamespaceView:
+    """What a LoRAAdapter's reconcile reads of its namespace (the handlers' indices): the
+    DynamoWorkers, `pods_of(worker)` (that worker's pods), and the LoRAAdapters (for name
+    clashes; the adapter itself may be among them)."""
+
+    workers: Sequence[WorkerInfo]
+    pods_of: PodsOf
+    adapters: Sequence[AdapterRef] = ()
 
 
 class LoraReconciler:
@@ -113,46 +133,40 @@ class LoraReconciler:
         self.metrics = metrics
         self.backoff = backoff or Backoff()
         self.on_change = on_change
-        self.reporting_instance = reporting_instance
         self.unload_bound_seconds = unload_bound_seconds
         self.clock = clock
         self.monotonic = monotonic
         self._adapters: dict[str, _Adapter] = {}
+        self._status = StatusWriter(cluster, kinds.LORA_ADAPTER, LoRAAdapterStatus)
+        self._events = EventRecorder(cluster, reporting_instance, clock)
 
     # --- reconcile ------------------------------------------------------------------------
 
     async def reconcile(
         self,
         body: Mapping[str, Any],
-        workers: Sequence[WorkerInfo],
-        pods_of: PodsOf,
-        others: Sequence[AdapterRef] = (),
+        view: NamespaceView,
     ) -> LoraOutcome:
-        """One pass for the LoRAAdapter `body`. `workers`: the DynamoWorkers of its namespace;
-        `pods_of(worker)`: that worker's pods; `others`: the namespace's other adapters."""
+        """One pass for the LoRAAdapter `body`, given what its namespace holds."""
         meta = body.get("metadata") or {}
         state = self._state(meta)
         async with state.lock:
             if state.deleting:
-                return LoraOutcome(status=lora.normalized_status(body.get("status")))
-            raw_status = self._current_status(state, body.get("status"))
+                return LoraOutcome(status=self._status.normalized(body.get("status")))
+            raw_status = self._status.current(meta, body.get("status"))
             adapter = LoRAAdapter.model_validate({**body, "status": raw_status})
-            return await self._reconcile_locked(
-                state, adapter, raw_status, workers, pods_of, others
-            )
+            return await self._reconcile_locked(state, adapter, raw_status, view)
 
     async def _reconcile_locked(
         self,
         state: _Adapter,
         adapter: LoRAAdapter,
         raw_status: dict[str, Any],
-        workers: Sequence[WorkerInfo],
-        pods_of: PodsOf,
-        others: Sequence[AdapterRef],
+        view: NamespaceView,
     ) -> LoraOutcome:
         now = self.clock()
         ref = AdapterRef.of(adapter)
-        targeted = lora.target_workers(ref, workers)
+        targeted = target_workers(ref, view.workers)
         if not state.seeded:
             statuses = adapter.status.pods if adapter.status is not None else []
             state.tracks = {s.pod: PodTrack.from_status(s, now) for s in statuses}
@@ -162,33 +176,33 @@ class LoraReconciler:
             state.source = source
             state.wanted_since.clear()  # every pod wants the new source from now on
         names = {w.name for w in targeted} | {t.worker for t in state.tracks.values() if t.worker}
-        pods = [pod for worker in sorted(names) for pod in pods_of(worker)]
+        pods = [pod for worker in sorted(names) for pod in view.pods_of(worker)]
         listings = await self._list_all(state.namespace, [p for p in pods if p.eligible])
-        observed = lora.Observed(
+        observed = AdapterObservation(
             now=now,
             workers=targeted,
-            missing_worker=None if targeted else lora.missing_worker_message(adapter),
+            missing_worker=None if targeted else missing_worker_message(adapter),
             pods=pods,
             listings=listings,
             in_flight=dict(state.in_flight),
             tracks=dict(state.tracks),
-            conflict=lora.name_conflict(ref, others, workers),
+            conflict=name_conflict(ref, view.adapters, view.workers),
         )
-        plan = lora.plan(adapter, observed, self.backoff)
-        state.tracks = plan.tracks
-        self._measure(state, plan, adapter)
-        for action in plan.actions:
+        decided = plan(adapter, observed, self.backoff)
+        state.tracks = decided.tracks
+        self._measure(state, decided, adapter)
+        for action in decided.actions:
             self._start(state, adapter, action)
-        written = await self._patch_if_changed(state, raw_status, plan.status)
-        for pod in plan.newly_loaded:
-            track = plan.tracks[pod]
+        written = await self._status.write(state.meta, raw_status, decided.status)
+        for pod in decided.newly_loaded:
+            track = decided.tracks[pod]
             await self._event(
                 state,
                 "Loaded",
                 f"pod {pod} serves {adapter.adapter_name} from {track.uri} "
                 f"(lora id {track.lora_id})",
             )
-        for pod in plan.lost:
+        for pod in decided.lost:
             await self._event(
                 state,
                 "Reloading",
@@ -196,18 +210,18 @@ class LoraReconciler:
                 "loading it again",
             )
         wake = None
-        if plan.next_retry_at is not None:
-            wake = max((plan.next_retry_at - self.clock()).total_seconds(), 0.0)
-        return LoraOutcome(plan.status, written, plan.actions, wake)
+        if decided.next_retry_at is not None:
+            wake = max((decided.next_retry_at - self.clock()).total_seconds(), 0.0)
+        return LoraOutcome(decided.status, written, decided.actions, wake)
 
-    def _measure(self, state: _Adapter, plan: lora.Plan, adapter: LoRAAdapter) -> None:
+    def _measure(self, state: _Adapter, decided: Plan, adapter: LoRAAdapter) -> None:
         """Load latency per pod: from when the pod started wanting the current source."""
         now = self.monotonic()
-        for pod in plan.lost:
+        for pod in decided.lost:
             state.wanted_since[pod] = now
-        for pod in plan.targets:
+        for pod in decided.targets:
             state.wanted_since.setdefault(pod, now)
-        for pod in plan.newly_loaded:
+        for pod in decided.newly_loaded:
             since = state.wanted_since.pop(pod, None)
             if since is not None and self.metrics is not None:
                 self.metrics.lora_load_duration.observe(now - since)
@@ -263,7 +277,7 @@ class LoraReconciler:
             result = OpResult(ok=False, reason="LoadFailed", message=type(exc).__name__)
         async with state.lock:
             state.in_flight.pop(action.pod, None)
-            track = lora.record_result(
+            track = record_result(
                 state.tracks.get(action.pod), action, result, self.clock(), self.backoff
             )
             if track is None:
@@ -298,7 +312,7 @@ class LoraReconciler:
             return
         if self.metrics is not None:
             self.metrics.lora_load_failures.labels(reason=result.reason or "LoadFailed").inc()
-        message = track.message if track is not None else lora.scrub(result.message)
+        message = track.message if track is not None else scrub(result.message)
         logger.warning("%s: pod %s: %s: %s", where, action.pod, result.reason, message)
         await self._event(
             state, result.reason or "LoadFailed", f"pod {action.pod}: {message}", warning=True
@@ -309,9 +323,7 @@ class LoraReconciler:
     async def finalize(
         self,
         body: Mapping[str, Any],
-        workers: Sequence[WorkerInfo],
-        pods_of: PodsOf,
-        others: Sequence[AdapterRef] = (),
+        view: NamespaceView,
     ) -> UnloadReport:
         """Unload the adapter from every pod of its workers, within `unload_bound_seconds`;
         record an Event for what could not be unloaded. Never raises for pods."""
@@ -329,14 +341,14 @@ class LoraReconciler:
         # unload; whatever still runs then is cancelled.
         await self._settle_tasks(state, self.unload_bound_seconds / 2)
         ref = AdapterRef.of(adapter)
-        rival = lora.name_conflict(ref, others, workers)
+        rival = name_conflict(ref, view.adapters, view.workers)
         if rival is not None:
             self.forget(state.uid)
             return UnloadReport(skipped=f"LoRAAdapter {rival} serves the name")
-        names = {w.name for w in lora.target_workers(ref, workers)}
+        names = {w.name for w in target_workers(ref, view.workers)}
         names |= {t.worker for t in state.tracks.values() if t.worker}
         # Terminating pods are going away with their adapters: nothing to unload there.
-        pods = [p for w in sorted(names) for p in pods_of(w) if p.ip and not p.terminating]
+        pods = [p for w in sorted(names) for p in view.pods_of(w) if p.ip and not p.terminating]
         name = adapter.adapter_name or ""
         remaining = max(deadline - self.monotonic(), 0.5)
         results = await asyncio.gather(
@@ -384,6 +396,7 @@ class LoraReconciler:
     def forget(self, uid: str) -> None:
         """Drop what is remembered about an adapter (its requests are left to finish)."""
         self._adapters.pop(uid, None)
+        self._status.forget(uid)
 
     def forget_pod(self, namespace: str, pod: str) -> None:
         """Drop the per-pod gauge of a pod that is gone."""
@@ -406,43 +419,14 @@ class LoraReconciler:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _current_status(self, state: _Adapter, raw: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The stored status; our last write when the watch has not delivered it yet."""
-        status = lora.normalized_status(raw)
-        if state.written is not None and status == state.written[0]:
-            return state.written[1]
-        return status
-
-    async def _patch_if_changed(
-        self, state: _Adapter, existing: dict[str, Any], new: dict[str, Any]
-    ) -> bool:
-        if new == existing:
-            return False
-        patch: dict[str, Any] = {key: None for key in existing if key not in new}
-        patch.update(new)
-        try:
-            await self.cluster.patch_status(kinds.LORA_ADAPTER, state.namespace, state.name, patch)
-        except ApiError as err:
-            if err.status == 404:
-                return False
-            raise TransientError(str(err)) from err
-        state.written = (existing, new)
-        return True
-
     async def _event(self, state: _Adapter, reason: str, note: str, warning: bool = False) -> None:
-        manifest = lora.event_manifest(
-            state.meta,
+        await self._events.record(
+            state.regarding,
             reason=reason,
             note=note,
-            event_type="Warning" if warning else "Normal",
             action="Unload" if reason.startswith("Unload") else "Load",
-            now=self.clock(),
-            reporting_instance=self.reporting_instance,
+            warning=warning,
         )
-        try:
-            await self.cluster.create_event(state.namespace, manifest)
-        except ApiError as err:  # events are best effort
-            logger.warning("Event not recorded: %s", err)
 
 
 def _id(meta: Mapping[str, Any]) -> tuple[str, str]:
@@ -457,5 +441,5 @@ def _report(pods: Sequence[Pod], results: Sequence[OpResult]) -> UnloadReport:
         elif result.reason == "NotLoaded":
             absent.append(pod.name)
         else:
-            failed[pod.name] = f"{result.reason}: {lora.scrub(result.message, 200)}"
+            failed[pod.name] = f"{result.reason}: {scrub(result.message, 200)}"
     return UnloadReport(tuple(unloaded), tuple(absent), failed)

@@ -32,16 +32,17 @@ from dynamo_operator.api.dynamoworker import (
     WorkerPodStatus,
 )
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
-from dynamo_operator.reconcile.builders import frontend_url
-from dynamo_operator.reconcile.labels import FRONTEND_LABEL, deployment_name, selector_string
-from dynamo_operator.reconcile.observed import PodProblem, PodSummary
-
-# How many pods a message names before it says "and N more".
-NAMED_PODS = 3
+from dynamo_operator.reconcile.dynamoworker.frontend import frontend_url
+from dynamo_operator.reconcile.dynamoworker.labels import (
+    FRONTEND_LABEL,
+    deployment_name,
+    selector_string,
+)
+from dynamo_operator.reconcile.dynamoworker.pods import PodProblem, PodSummary
 
 
 @dataclass(frozen=True)
-class Observed:
+class WorkerObservation:
     """Everything status is computed from.
 
     `deployment` is the live worker Deployment, `frontend_deployment` the frontend's (None:
@@ -62,13 +63,6 @@ class Observed:
     taint_failures: Mapping[str, str] = field(default_factory=dict)
     pod_monitor_unavailable: bool = False
     spec_error: str | None = None
-
-
-_Wanted = WantedCondition
-
-
-def _names(pods: Sequence[str]) -> str:
-    return name_list(pods, NAMED_PODS)
 
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
@@ -118,7 +112,7 @@ def _deployment_condition(deployment: Mapping[str, Any] | None, type_: str) -> M
     return {}
 
 
-def _frontend_waiting(desired: int | None, observed: Observed) -> str | None:
+def _frontend_waiting(desired: int | None, observed: WorkerObservation) -> str | None:
     """Why the frontend (spec.frontend, `desired` pods) is not serving yet; None when it is
     or when there is none."""
     if desired is None or desired == 0:
@@ -131,33 +125,39 @@ def _frontend_waiting(desired: int | None, observed: Observed) -> str | None:
     return None
 
 
-def _ready(desired: int, ready: int, frontend_desired: int | None, observed: Observed) -> _Wanted:
+def _ready(
+    desired: int, ready: int, frontend_desired: int | None, observed: WorkerObservation
+) -> WantedCondition:
     t = ConditionType.READY
     if observed.spec_error is not None:
-        return _Wanted(t, "False", "InvalidSpec", observed.spec_error)
+        return WantedCondition(t, "False", "InvalidSpec", observed.spec_error)
     if observed.deployment is None:
         if observed.child_errors:
-            return _Wanted(
+            return WantedCondition(
                 t,
                 "False",
                 "ApplyFailed",
                 "the worker Deployment could not be created; see the Degraded condition",
             )
-        return _Wanted(
+        return WantedCondition(
             t,
             "False",
             "DeploymentMissing",
             "the worker Deployment does not exist yet; the operator is creating it",
         )
     if desired == 0:
-        return _Wanted(
+        return WantedCondition(
             t, "True", "ScaledToZero", "spec.replicas is 0: no worker pods run; scale up to serve"
         )
     if ready >= desired:
         frontend = _frontend_waiting(frontend_desired, observed)
         if frontend is not None:
-            return _Wanted(t, "False", "WaitingForFrontend", f"{frontend}; see status.frontend")
-        return _Wanted(t, "True", "AllReplicasReady", f"{ready} of {desired} pods are ready")
+            return WantedCondition(
+                t, "False", "WaitingForFrontend", f"{frontend}; see status.frontend"
+            )
+        return WantedCondition(
+            t, "True", "AllReplicasReady", f"{ready} of {desired} pods are ready"
+        )
     if any(p.problem for p in observed.pods):
         hint = "; see the Degraded condition"
     elif any(p.gated and p.containers_ready and not p.ready for p in observed.pods):
@@ -167,7 +167,9 @@ def _ready(desired: int, ready: int, frontend_desired: int | None, observed: Obs
         )
     else:
         hint = "; pods load the model before they report ready"
-    return _Wanted(t, "False", "WaitingForPods", f"{ready} of {desired} pods are ready{hint}")
+    return WantedCondition(
+        t, "False", "WaitingForPods", f"{ready} of {desired} pods are ready{hint}"
+    )
 
 
 def _progressing(
@@ -175,18 +177,20 @@ def _progressing(
     generation: int,
     desired: int,
     counts: tuple[int, int, int, bool],
-    observed: Observed,
-) -> _Wanted:
+    observed: WorkerObservation,
+) -> WantedCondition:
     t = ConditionType.PROGRESSING
     total, ready, updated, seen = counts
     name = deployment_name(worker)
     if observed.spec_error is not None:
-        return _Wanted(t, "False", "InvalidSpec", "nothing is rolled out until the spec is fixed")
+        return WantedCondition(
+            t, "False", "InvalidSpec", "nothing is rolled out until the spec is fixed"
+        )
     if observed.deployment is None:
-        return _Wanted(t, "True", "Creating", "creating the worker Deployment")
+        return WantedCondition(t, "True", "Creating", "creating the worker Deployment")
     stalled = _deployment_condition(observed.deployment, "Progressing")
     if stalled.get("reason") == "ProgressDeadlineExceeded":
-        return _Wanted(
+        return WantedCondition(
             t,
             "False",
             "ProgressDeadlineExceeded",
@@ -194,7 +198,7 @@ def _progressing(
             f"{name} made no progress before its deadline; see the Degraded condition",
         )
     if not seen:
-        return _Wanted(
+        return WantedCondition(
             t,
             "True",
             "RollingOut",
@@ -202,7 +206,7 @@ def _progressing(
             f"waiting for the Deployment controller to start the rollout",
         )
     if updated < desired:
-        return _Wanted(
+        return WantedCondition(
             t,
             "True",
             "RollingOut",
@@ -210,17 +214,17 @@ def _progressing(
             f"{generation} of the spec ({total} pods in all)",
         )
     if total > desired:
-        return _Wanted(
+        return WantedCondition(
             t,
             "True",
             "ScalingDown",
             f"{total - desired} surplus or outdated pods are draining and shutting down",
         )
     if ready < desired:
-        return _Wanted(
+        return WantedCondition(
             t, "True", "ScalingUp", f"{ready} of {desired} pods are ready; the rest are starting"
         )
-    return _Wanted(
+    return WantedCondition(
         t,
         "False",
         "RolloutComplete",
@@ -289,16 +293,16 @@ def _frontend_trouble(deployment: Mapping[str, Any] | None) -> str | None:
     )
 
 
-def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
+def _degraded(observed: WorkerObservation, pods: Sequence[PodSummary]) -> WantedCondition:
     t = ConditionType.DEGRADED
     if observed.spec_error is not None:
-        return _Wanted(t, "True", "InvalidSpec", observed.spec_error)
+        return WantedCondition(t, "True", "InvalidSpec", observed.spec_error)
     if observed.child_errors:
-        return _Wanted(t, "True", "ApplyFailed", "; ".join(observed.child_errors))
+        return WantedCondition(t, "True", "ApplyFailed", "; ".join(observed.child_errors))
     failing = _deployment_failure(observed.deployment)
     if failing is not None:
         reason, detail = failing
-        return _Wanted(t, "True", reason, _DEPLOYMENT_FAILURES[reason].format(detail))
+        return WantedCondition(t, "True", reason, _DEPLOYMENT_FAILURES[reason].format(detail))
     troubled = sorted(
         (_PROBLEM_ORDER.index(p.problem), p.name, p.problem, p.problem_detail)
         for p in pods
@@ -308,23 +312,23 @@ def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
         _, _, problem, detail = troubled[0]
         reason, template = _PROBLEM_REASONS[problem]
         same = [pod for _, pod, other, _ in troubled if other == problem]
-        subject = f"pod {same[0]}" if len(same) == 1 else f"pods {_names(same)}"
-        return _Wanted(t, "True", reason, f"{subject} {template.format(detail=detail)}")
+        subject = f"pod {same[0]}" if len(same) == 1 else f"pods {name_list(same)}"
+        return WantedCondition(t, "True", reason, f"{subject} {template.format(detail=detail)}")
     frontend_trouble = _frontend_trouble(observed.frontend_deployment)
     if frontend_trouble is not None:
-        return _Wanted(t, "True", "FrontendFailing", frontend_trouble)
+        return WantedCondition(t, "True", "FrontendFailing", frontend_trouble)
     if observed.taint_failures:
         names = sorted(observed.taint_failures)
-        return _Wanted(
+        return WantedCondition(
             t,
             "True",
             "TaintUpdateFailed",
             f"spec.modelTaints could not be applied to "
-            f"{_names(names)}: {observed.taint_failures[names[0]]}; the operator "
+            f"{name_list(names)}: {observed.taint_failures[names[0]]}; the operator "
             "keeps retrying",
         )
     if observed.pod_monitor_unavailable:
-        return _Wanted(
+        return WantedCondition(
             t,
             "True",
             "PodMonitorUnavailable",
@@ -332,10 +336,10 @@ def _degraded(observed: Observed, pods: Sequence[PodSummary]) -> _Wanted:
             "but the PodMonitor CRD (monitoring.coreos.com/v1) is not installed; "
             "install the Prometheus Operator or set podMonitor to Auto",
         )
-    return _Wanted(t, "False", "AsExpected", "no problems observed")
+    return WantedCondition(t, "False", "AsExpected", "no problems observed")
 
 
-def compute_status(dw: DynamoWorker, observed: Observed) -> dict[str, Any]:
+def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, Any]:
     """The status the DynamoWorker should have, as the API server stores it (camelCase)."""
     name = dw.metadata.name or ""
     generation = dw.metadata.generation or 0
@@ -365,16 +369,10 @@ def compute_status(dw: DynamoWorker, observed: Observed) -> dict[str, Any]:
     return status.to_dict()
 
 
-def _frontend_status(dw: DynamoWorker, observed: Observed) -> FrontendStatus:
+def _frontend_status(dw: DynamoWorker, observed: WorkerObservation) -> FrontendStatus:
     total, ready, _, _ = _deployment_counts(observed.frontend_deployment)
     return FrontendStatus(
         replicas=min(total, MAX_STATUS_PODS),
         ready_replicas=min(ready, MAX_STATUS_PODS),
         url=frontend_url(dw),
     )
-
-
-def normalized_status(raw: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A stored status as `compute_status` would write it (defaults filled, unknown fields
-    dropped), so the two compare equal exactly when a write would change nothing."""
-    return DynamoWorkerStatus.model_validate(dict(raw or {})).to_dict()

@@ -20,13 +20,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.metrics import OperatorMetrics
-from dynamo_operator.reconcile import interface as wi
-from dynamo_operator.reconcile.observed import PodSummary
+from dynamo_operator.pods import routes
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,24 @@ class _Attempt:
     failures: int = 0
 
 
-def pod_url(pod: PodSummary) -> str:
+class WorkerPod(Protocol):
+    """What a push needs to know of a worker pod (the reconcile layer's pod summary)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def uid(self) -> str: ...
+    @property
+    def ip(self) -> str | None: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def terminating(self) -> bool: ...
+
+
+def pod_url(pod: WorkerPod) -> str:
     """The model-taints route of a pod's system server."""
-    return wi.system_url(pod.ip or "", wi.MODEL_TAINTS_PATH)
+    return routes.system_url(pod.ip or "", routes.MODEL_TAINTS_PATH)
 
 
 class TaintPusher:
@@ -57,7 +72,7 @@ class TaintPusher:
         session: aiohttp.ClientSession,
         *,
         on_done: Callable[[str, str], None] = lambda namespace, worker: None,
-        url_for: Callable[[PodSummary], str] = pod_url,
+        url_for: Callable[[WorkerPod], str] = pod_url,
         concurrency: int = 16,
         timeout_seconds: float = 5.0,
         attempts: int = 3,
@@ -83,7 +98,7 @@ class TaintPusher:
         namespace: str,
         worker: str,
         desired: Sequence[str],
-        pods: Sequence[PodSummary],
+        pods: Sequence[WorkerPod],
         metadata: Mapping[str, DynamoWorkerMetadata],
     ) -> dict[str, str]:
         """Start the pushes `pods` need; return the pods whose last push failed (name ->
@@ -129,7 +144,7 @@ class TaintPusher:
         self,
         namespace: str,
         worker: str,
-        pod: PodSummary,
+        pod: WorkerPod,
         wanted: tuple[str, ...],
         previous: _Attempt | None,
     ) -> _Attempt:
@@ -140,7 +155,7 @@ class TaintPusher:
         task.add_done_callback(self._tasks.discard)
         return attempt
 
-    async def _push(self, namespace: str, worker: str, pod: PodSummary, attempt: _Attempt) -> None:
+    async def _push(self, namespace: str, worker: str, pod: WorkerPod, attempt: _Attempt) -> None:
         error = ""
         try:
             for number in range(self._attempts):
@@ -163,7 +178,7 @@ class TaintPusher:
                 self._metrics.taint_pushes.labels(result="error" if error else "ok").inc()
             self._on_done(namespace, worker)
 
-    async def _post(self, pod: PodSummary, taints: tuple[str, ...]) -> str:
+    async def _post(self, pod: WorkerPod, taints: tuple[str, ...]) -> str:
         """One POST; the error text, or "" on success."""
         async with self._limit:
             try:

@@ -1,6 +1,6 @@
 """`/v1/loras` on worker pods' system servers: list, load and unload, bounded and timed.
 
-The same pattern as the model-taint pushes (`reconcile.taints`): one shared aiohttp session
+The same pattern as the model-taint pushes (`pods.taints`): one shared aiohttp session
 built at startup, a semaphore bounding concurrent requests, a timeout on every request, and
 errors turned into values rather than exceptions. Loads wait for the worker's download and
 get a long timeout of their own, and a separate bound, so slow downloads never hold up the
@@ -19,19 +19,70 @@ import asyncio
 import json
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from dynamo_operator.reconcile import interface as wi
-from dynamo_operator.reconcile.lora import (
-    LORA_DISABLED,
-    WORKER_UNREACHABLE,
-    Listing,
-    OpResult,
-    reason_for,
-)
+from dynamo_operator.pods import routes
+
+# The worker's machine-readable `reason` values (dynamo.common.lora.errors, lora_host) and
+# the CamelCase reasons status shows for them.
+WORKER_REASONS: dict[str, str] = {
+    "digest mismatch": "DigestMismatch",
+    "bad digest": "InvalidDigest",
+    "not found": "SourceNotFound",
+    "auth": "AuthFailed",
+    "bad uri": "InvalidSource",
+    "invalid adapter": "InvalidAdapter",
+    "unsafe source": "UnsafeSource",
+    "timeout": "DownloadTimeout",
+    "offline": "HubOffline",
+    "download failed": "DownloadFailed",
+    "capacity": "CapacityExceeded",
+    "unavailable": "LoRADisabled",
+    "engine": "EngineError",
+    "bad request": "BadRequest",
+    "not loaded": "NotLoaded",
+}
+CAPACITY_EXCEEDED = "CapacityExceeded"
+WORKER_UNREACHABLE = "WorkerUnreachable"
+LORA_DISABLED = "LoRADisabled"
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A pod's answer to `GET /v1/loras`: adapter name -> id, or why there is none."""
+
+    loras: Mapping[str, int] | None = None
+    reason: str = ""
+    message: str = ""
+
+    @property
+    def count(self) -> int:
+        return len(self.loras) if self.loras is not None else 0
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """The answer to a load or unload (`reason` is CamelCase; empty when `ok`)."""
+
+    ok: bool
+    reason: str = ""
+    message: str = ""
+    lora_id: int | None = None
+
+
+def reason_for(http_status: int, worker_reason: str | None, message: str) -> str:
+    """The CamelCase reason for a failed `/v1/loras` request."""
+    if worker_reason and worker_reason in WORKER_REASONS:
+        return WORKER_REASONS[worker_reason]
+    if message.startswith("LoRA capacity exceeded"):
+        return CAPACITY_EXCEEDED
+    if http_status == 404:
+        return LORA_DISABLED
+    return "LoadFailed"
 
 
 def _error_text(exc: BaseException) -> str:
@@ -49,7 +100,7 @@ class LoraClient:
         request_timeout_seconds: float = 5.0,
         load_timeout_seconds: float = 900.0,
         cache_seconds: float = 1.0,
-        url_for: Callable[[str, str], str] = wi.system_url,
+        url_for: Callable[[str, str], str] = routes.system_url,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
@@ -100,7 +151,9 @@ class LoraClient:
 
     async def _list(self, ip: str) -> Listing:
         async with self._quick:
-            status, body, error = await self._request("GET", ip, wi.LORAS_PATH, None, self._timeout)
+            status, body, error = await self._request(
+                "GET", ip, routes.LORAS_PATH, None, self._timeout
+            )
         if error:
             return Listing(reason=WORKER_UNREACHABLE, message=error)
         if status == 404:
@@ -121,7 +174,7 @@ class LoraClient:
         try:
             async with self._loads:
                 status, answer, error = await self._request(
-                    "POST", ip, wi.LORAS_PATH, body, self._load_timeout
+                    "POST", ip, routes.LORAS_PATH, body, self._load_timeout
                 )
         finally:
             self.invalidate(ip)
@@ -138,7 +191,7 @@ class LoraClient:
     async def unload(self, ip: str, name: str, timeout_seconds: float | None = None) -> OpResult:
         """`DELETE /v1/loras/{name}`; reason NotLoaded when the pod does not have it."""
         seconds = self._request_timeout if timeout_seconds is None else timeout_seconds
-        path = f"{wi.LORAS_PATH}/{urllib.parse.quote(name, safe='/:')}"
+        path = f"{routes.LORAS_PATH}/{urllib.parse.quote(name, safe='/:')}"
         try:
             async with self._quick:
                 status, answer, error = await self._request(

@@ -2,7 +2,8 @@
 ports, probe paths, mount paths, and the shutdown arithmetic.
 
 This is the one table to change when the runtime's CLI (`dynamo-worker`,
-worker_image/src/dynamo/runtime/cli.py) changes. Env names and ports are upstream Dynamo's
+worker_image/src/dynamo/runtime/cli.py) changes; the system server's port and routes are
+`pods.routes`. Env names and ports are upstream Dynamo's
 (its Rust runtime reads the same ones), so an upstream worker image driven by this operator
 behaves the same way.
 """
@@ -22,15 +23,9 @@ DISCOVERY_BACKEND = "kubernetes"
 # frontend (spec.frontend, or one a user runs) can route to every worker the operator makes.
 REQUEST_PLANE = "tcp"
 
-SYSTEM_PORT = 9090
-SYSTEM_PORT_NAME = "system"
+# The system server's port and routes are in `pods.routes` (the pod clients use them too).
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
-LIVE_PATH = "/live"
-HEALTH_PATH = "/health"
-METRICS_PATH = "/metrics"
-MODEL_TAINTS_PATH = "/engine/update/model_taints"
-LORAS_PATH = "/v1/loras"
 
 # Writable places under a read-only root filesystem, each an emptyDir (or the LoRA cache's
 # PVC): /tmp and HOME, the model download cache, LoRA adapters, and the in-memory /dev/shm.
@@ -126,12 +121,6 @@ class FrontendEnv(StrEnum):
     REQUEST_PLANE = "DYN_REQUEST_PLANE"
     HTTP_PORT = "DYN_HTTP_PORT"
     ROUTER_MODE = "DYN_ROUTER_MODE"
-
-
-def system_url(ip: str, path: str) -> str:
-    """`path` on the system server of the pod at `ip` (IPv6 addresses bracketed)."""
-    host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{SYSTEM_PORT}{path}"
 
 
 def dynamo_namespace(namespace: str, worker: str) -> str:

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from dynamo_operator.api.common import format_timestamp
-from dynamo_operator.reconcile.labels import ADAPTERS_READY_GATE
-from dynamo_operator.reconcile.lora import AdapterRef
-from dynamo_operator.reconcile.observed import PodSummary
+from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE
+from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+
+
+class RequiredAdapter(Protocol):
+    """A LoRAAdapter with requiredForReadiness as the gate sees it (`loraadapter.targeting`'s
+    `AdapterRef`, which depends on this package, not the other way round)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def loaded_on(self) -> frozenset[str]: ...
 
 
 def wanted_condition(
-    pod: PodSummary, required: Sequence[AdapterRef], now: datetime
+    pod: PodSummary, required: Sequence[RequiredAdapter], now: datetime
 ) -> dict[str, Any] | None:
     """The gate condition `pod` should get, or None when it has it already (or carries no
     gate, or is going away)."""

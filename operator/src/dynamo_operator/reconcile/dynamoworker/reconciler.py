@@ -27,21 +27,23 @@ from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError, Cluster
-from dynamo_operator.reconcile.adapter_gate import wanted_condition
-from dynamo_operator.reconcile.builders import (
-    POD_MONITOR_CRD,
-    desired_children,
-    wants_pod_monitor,
-)
+from dynamo_operator.pods.taints import TaintPusher
 from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
-from dynamo_operator.reconcile.errors import ReconcileError, SpecError
-from dynamo_operator.reconcile.events import event_manifest, transitions
-from dynamo_operator.reconcile.labels import deployment_name, frontend_name, pod_monitor_name
-from dynamo_operator.reconcile.lora import AdapterRef
-from dynamo_operator.reconcile.observed import PodSummary
-from dynamo_operator.reconcile.settings import ReconcileSettings
-from dynamo_operator.reconcile.status import Observed, compute_status, normalized_status
-from dynamo_operator.reconcile.taints import TaintPusher
+from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter, wanted_condition
+from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
+from dynamo_operator.reconcile.dynamoworker.labels import (
+    deployment_name,
+    frontend_name,
+    pod_monitor_name,
+)
+from dynamo_operator.reconcile.dynamoworker.manifests import wants_pod_monitor
+from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
+from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
+from dynamo_operator.reconcile.dynamoworker.transitions import note, transitions
+from dynamo_operator.reconcile.errors import SpecError, TransientError
+from dynamo_operator.reconcile.events import EventRecorder, Regarding
+from dynamo_operator.reconcile.status_writer import StatusWriter
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +56,6 @@ FRONTEND_KINDS = (
     kinds.ROLE,
     kinds.SERVICE_ACCOUNT,
 )
-
-
-class TransientError(ReconcileError):
-    """The API server could not be reached or asked to retry; the reconcile runs again."""
 
 
 @dataclass(frozen=True)
@@ -107,11 +105,12 @@ class WorkerReconciler:
     reporting_instance: str = "dynamo-operator"
     clock: Callable[[], datetime] = utc_now
     _crd_checked_at: float = field(default=float("-inf"), init=False)
-    # Per object uid: the status it had before our last write, and the status we wrote (see
-    # `_current_status`).
-    _written: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(
-        default_factory=dict, init=False
-    )
+    _status: StatusWriter = field(init=False)
+    _events: EventRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._status = StatusWriter(self.cluster, kinds.DYNAMO_WORKER, DynamoWorkerStatus)
+        self._events = EventRecorder(self.cluster, self.reporting_instance, self.clock)
 
     async def refresh_cluster_facts(self) -> ReconcileSettings:
         """The settings, with the PodMonitor CRD's presence re-checked when it is due."""
@@ -125,7 +124,7 @@ class WorkerReconciler:
 
     def forget(self, namespace: str, name: str, uid: str) -> None:
         """Drop what is remembered about a deleted object."""
-        self._written.pop(uid, None)
+        self._status.forget(uid)
         if self.taints is not None:
             self.taints.forget(namespace, name)
 
@@ -136,7 +135,7 @@ class WorkerReconciler:
         metadata: Mapping[str, DynamoWorkerMetadata] | None = None,
         *,
         full: bool = True,
-        required: Sequence[AdapterRef] = (),
+        required: Sequence[RequiredAdapter] = (),
     ) -> Outcome:
         """One reconcile of the DynamoWorker `body` (as the watch delivers it), given its pods
         and their DynamoWorkerMetadata. Raises TransientError when it should be retried.
@@ -150,7 +149,7 @@ class WorkerReconciler:
         """
         metadata = metadata or {}
         meta = body.get("metadata") or {}
-        raw_status = self._current_status(str(meta.get("uid", "")), body.get("status"))
+        raw_status = self._status.current(meta, body.get("status"))
         try:
             dw = DynamoWorker.model_validate({**body, "status": raw_status})
         except ValidationError as err:
@@ -170,7 +169,9 @@ class WorkerReconciler:
                 dw,
                 meta,
                 raw_status,
-                Observed(now=self.clock(), pods=pods, metadata=metadata, spec_error=str(err)),
+                WorkerObservation(
+                    now=self.clock(), pods=pods, metadata=metadata, spec_error=str(err)
+                ),
                 spec_error=str(err),
             )
 
@@ -202,7 +203,7 @@ class WorkerReconciler:
                 dw.metadata.namespace, dw.metadata.name, dw.spec.model_taints, pods, metadata
             )
         worker = dw.metadata.name or ""
-        observed = Observed(
+        observed = WorkerObservation(
             now=self.clock(),
             deployment=deployments.get(deployment_name(worker)),
             frontend_deployment=deployments.get(frontend_name(worker)),
@@ -218,16 +219,6 @@ class WorkerReconciler:
         if transient:
             raise TransientError("; ".join(transient))
         return outcome
-
-    def _current_status(self, uid: str, raw: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The object's status, normalized; our last write when the watch has not delivered
-        it yet (the body still shows what that write replaced). Computing from it keeps
-        transition times and Events right, and does not write the same status twice."""
-        status = normalized_status(raw)
-        known = self._written.get(uid)
-        if known is not None and status == known[0]:
-            return known[1]
-        return status
 
     async def _settings(self) -> ReconcileSettings:
         try:
@@ -263,7 +254,7 @@ class WorkerReconciler:
         self,
         dw: DynamoWorker,
         pods: Sequence[PodSummary],
-        required: Sequence[AdapterRef],
+        required: Sequence[RequiredAdapter],
         transient: list[str],
     ) -> None:
         """Set the LoRA-adapters gate condition on each gated pod whose condition lags."""
@@ -309,7 +300,7 @@ class WorkerReconciler:
         self, meta: Mapping[str, Any], raw_status: Mapping[str, Any], message: str
     ) -> Outcome:
         """Status for an object the models refuse (an API/operator version skew)."""
-        existing = normalized_status(raw_status)
+        existing = self._status.normalized(raw_status)
         generation = int(meta.get("generation") or 0)
         now = self.clock()
         status = DynamoWorkerStatus.model_validate(existing)
@@ -327,7 +318,7 @@ class WorkerReconciler:
         status.conditions = merge_conditions(status.conditions, wanted)
         status.observed_generation = generation
         new = status.to_dict()
-        written = await self._patch_if_changed(meta, existing, new)
+        written = await self._status.write(meta, existing, new)
         return Outcome(status=new, status_written=written, spec_error=message)
 
     async def _write_status(
@@ -335,54 +326,34 @@ class WorkerReconciler:
         dw: DynamoWorker,
         meta: Mapping[str, Any],
         raw_status: Mapping[str, Any],
-        observed: Observed,
+        observed: WorkerObservation,
         *,
         applied: Sequence[str] = (),
         spec_error: str | None = None,
     ) -> Outcome:
-        existing = normalized_status(raw_status)
+        existing = self._status.normalized(raw_status)
         new = compute_status(dw, observed)
-        written = await self._patch_if_changed(meta, existing, new)
+        written = await self._status.write(meta, existing, new)
         if written:
             old_conditions = dw.status.conditions if dw.status is not None else []
             new_conditions = DynamoWorkerStatus.model_validate(new).conditions
-            await self._record_events(meta, old_conditions, new_conditions, observed.now)
+            await self._record_events(meta, old_conditions, new_conditions)
         return Outcome(
             status=new, applied=tuple(applied), status_written=written, spec_error=spec_error
         )
-
-    async def _patch_if_changed(
-        self, meta: Mapping[str, Any], existing: dict[str, Any], new: dict[str, Any]
-    ) -> bool:
-        uid = str(meta.get("uid", ""))
-        if new == existing:
-            return False
-        # A merge patch keeps keys it does not mention: name the ones that went away.
-        patch: dict[str, Any] = {key: None for key in existing if key not in new}
-        patch.update(new)
-        try:
-            await self.cluster.patch_status(
-                kinds.DYNAMO_WORKER, meta["namespace"], meta["name"], patch
-            )
-        except ApiError as err:
-            if err.status == 404:  # deleted meanwhile
-                return False
-            raise TransientError(str(err)) from err
-        self._written[uid] = (existing, new)
-        return True
 
     async def _record_events(
         self,
         meta: Mapping[str, Any],
         old: Sequence[Condition],
         new: Sequence[Condition],
-        now: datetime,
     ) -> None:
+        regarding = Regarding.of(kinds.DYNAMO_WORKER, meta)
         for condition, event_type in transitions(old, new):
-            manifest = event_manifest(
-                meta, condition, event_type, now=now, reporting_instance=self.reporting_instance
+            await self._events.record(
+                regarding,
+                reason=condition.reason,
+                note=note(condition),
+                action="Reconcile",
+                warning=event_type == "Warning",
             )
-            try:
-                await self.cluster.create_event(meta["namespace"], manifest)
-            except ApiError as err:  # events are best effort
-                logger.warning("Event not recorded: %s", err)

@@ -2,16 +2,19 @@
 
 `PodSummary.from_pod` reads a Pod manifest (as the watch delivers it) into a small frozen
 record; the handlers keep one per pod in memory, so computing status costs no API reads.
+`metadata_by_pod` joins the pods to their DynamoWorkerMetadata (the records the workers
+publish).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from dynamo_operator.reconcile.labels import ADAPTERS_READY_GATE
+from dynamo_operator.api.metadata import DynamoWorkerMetadata
+from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE
 
 
 class PodProblem(StrEnum):
@@ -102,3 +105,16 @@ def _problem(
             message = str(waiting.get("message") or reason)
             return _WAITING_PROBLEMS[reason], message
     return None, ""
+
+
+def metadata_by_pod(
+    pods: Sequence[PodSummary], lookup: Callable[[str], DynamoWorkerMetadata | None]
+) -> dict[str, DynamoWorkerMetadata]:
+    """The worker pods' DynamoWorkerMetadata by pod name (`lookup(pod name)`; a record is
+    named after its pod), for the pods that have one."""
+    records = {}
+    for pod in pods:
+        record = lookup(pod.name)
+        if record is not None:
+            records[pod.name] = record
+    return records

@@ -20,8 +20,8 @@ from aiohttp import web
 
 from dynamo.common.model_taints import make_model_taint_handler
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
-from dynamo_operator.reconcile.observed import PodSummary
-from dynamo_operator.reconcile.taints import CONFIRM_WAIT_SECONDS, TaintPusher
+from dynamo_operator.pods.taints import CONFIRM_WAIT_SECONDS, TaintPusher
+from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
 from support.loopback_http import LoopbackHttpServer, serve
 
 pytestmark = pytest.mark.unit

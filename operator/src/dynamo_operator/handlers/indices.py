@@ -1,0 +1,145 @@
+"""Every kopf index the handlers keep, and one typed view of them.
+
+kopf fills in-memory indices from its watches and hands each handler every index as a
+keyword argument named after the index's id; `Indices.of(kwargs)` reads them. The records are
+the reconcile layer's (a pod's summary, a DynamoWorker as its adapters see it, a LoRAAdapter
+as its workers see it), so a reconcile reads nothing from the API server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from dynamo_operator.api.metadata import DynamoWorkerMetadata
+from dynamo_operator.reconcile.dynamoworker.labels import WORKER_LABEL
+from dynamo_operator.reconcile.dynamoworker.pods import PodSummary, metadata_by_pod
+from dynamo_operator.reconcile.loraadapter.model import Pod
+from dynamo_operator.reconcile.loraadapter.reconciler import NamespaceView
+from dynamo_operator.reconcile.loraadapter.targeting import AdapterRef, WorkerInfo
+
+DW = ("dynamo.dev", "v1alpha1", "dynamoworkers")
+LORA = ("dynamo.dev", "v1alpha1", "loraadapters")
+DWM = ("nvidia.com", "v1alpha1", "dynamoworkermetadatas")
+WORKER_PODS = {WORKER_LABEL: kopf.PRESENT}
+
+log = logging.getLogger(__name__)
+
+
+def namespace_of(namespace: str | None) -> str:
+    """The namespace of an object of the operator's kinds (all of them namespaced; kopf types
+    the argument for cluster-scoped kinds too)."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object arrived without a namespace")
+    return namespace
+
+
+def _first(values: Iterable[Any] | None) -> Any:
+    return next(iter(values), None) if values is not None else None
+
+
+@dataclass(frozen=True)
+class Indices:
+    """The indices of one handler call."""
+
+    worker_pods: kopf.Index[tuple[str, str], PodSummary]
+    pod_workers: kopf.Index[tuple[str, str], str]
+    worker_metadata: kopf.Index[tuple[str, str], DynamoWorkerMetadata]
+    dynamo_workers: kopf.Index[str, WorkerInfo]
+    lora_adapters: kopf.Index[str, AdapterRef]
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> Indices:
+        """The indices among a handler's keyword arguments."""
+        return cls(
+            worker_pods=kwargs["worker_pods"],
+            pod_workers=kwargs["pod_workers"],
+            worker_metadata=kwargs["worker_metadata"],
+            dynamo_workers=kwargs["dynamo_workers"],
+            lora_adapters=kwargs["lora_adapters"],
+        )
+
+    def pods(self, namespace: str, worker: str) -> list[PodSummary]:
+        """The pods of the DynamoWorker `worker`."""
+        return list(self.worker_pods.get((namespace, worker), []))
+
+    def metadata(
+        self, namespace: str, pods: Sequence[PodSummary]
+    ) -> dict[str, DynamoWorkerMetadata]:
+        """The DynamoWorkerMetadata of `pods`, by pod name."""
+        return metadata_by_pod(pods, lambda pod: _first(self.worker_metadata.get((namespace, pod))))
+
+    def worker_of_pod(self, namespace: str, pod: str) -> str | None:
+        """The DynamoWorker of the pod named `pod` (a DynamoWorkerMetadata's name too)."""
+        worker: str | None = _first(self.pod_workers.get((namespace, pod)))
+        return worker
+
+    def workers(self, namespace: str) -> list[WorkerInfo]:
+        """The namespace's DynamoWorkers."""
+        return list(self.dynamo_workers.get(namespace, []))
+
+    def adapters(self, namespace: str) -> list[AdapterRef]:
+        """The namespace's readable LoRAAdapters."""
+        return list(self.lora_adapters.get(namespace, []))
+
+    def adapter_pods(self, namespace: str, worker: str) -> list[Pod]:
+        """The pods of the DynamoWorker `worker` as a LoRAAdapter's plan sees them."""
+        return [Pod.of(p, worker) for p in self.pods(namespace, worker)]
+
+    def adapter_view(self, namespace: str) -> NamespaceView:
+        """The namespace as a LoRAAdapter's reconcile reads it."""
+        return NamespaceView(
+            workers=self.workers(namespace),
+            pods_of=partial(self.adapter_pods, namespace),
+            adapters=self.adapters(namespace),
+        )
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register the indices on `registry`."""
+
+    @kopf.index("v1", "pods", id="worker_pods", labels=WORKER_PODS, registry=registry)
+    async def worker_pods(
+        body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
+    ) -> dict[tuple[str, str], PodSummary]:
+        return {(namespace_of(namespace), labels[WORKER_LABEL]): PodSummary.from_pod(body)}
+
+    @kopf.index("v1", "pods", id="pod_workers", labels=WORKER_PODS, registry=registry)
+    async def pod_workers(
+        name: str, namespace: str | None, labels: kopf.Labels, **_: Any
+    ) -> dict[tuple[str, str], str]:
+        return {(namespace_of(namespace), name): labels[WORKER_LABEL]}
+
+    @kopf.index(*DWM, id="worker_metadata", registry=registry)
+    async def worker_metadata(
+        body: kopf.Body, name: str, namespace: str | None, **_: Any
+    ) -> dict[tuple[str, str], DynamoWorkerMetadata]:
+        try:
+            record = DynamoWorkerMetadata.model_validate(dict(body))
+            return {(namespace_of(namespace), name): record}
+        except ValidationError as err:
+            log.warning("Ignoring unreadable DynamoWorkerMetadata %s: %s", name, err)
+            return {}
+
+    @kopf.index(*DW, id="dynamo_workers", registry=registry)
+    async def dynamo_workers(
+        name: str, namespace: str | None, labels: kopf.Labels, spec: kopf.Spec, **_: Any
+    ) -> dict[str, WorkerInfo]:
+        return {namespace_of(namespace): WorkerInfo.of(name, labels, spec)}
+
+    @kopf.index(*LORA, id="lora_adapters", registry=registry)
+    async def lora_adapters(
+        body: kopf.Body, name: str, namespace: str | None, **_: Any
+    ) -> dict[str, AdapterRef]:
+        try:
+            ref = AdapterRef.of_body(body)
+        except ValidationError as err:
+            log.warning("Ignoring unreadable LoRAAdapter %s: %s", name, err)
+            return {}
+        return {namespace_of(namespace): ref}

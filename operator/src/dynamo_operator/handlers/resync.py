@@ -1,0 +1,84 @@
+"""The one resync loop, for both kinds: a kopf daemon per object runs it.
+
+It reconciles whenever the object's trigger is set (after a short debounce, so a burst of
+events such as pods becoming ready leads to one reconcile), when the last reconcile asked to
+run again (a LoRAAdapter's backoff ending), and at least every resync period (a full pass,
+which repairs drift no watch reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+import kopf
+
+from dynamo_operator.handlers.context import OperatorContext
+
+DEBOUNCE_SECONDS = 0.2
+# The shortest wait for a reconcile that asks to run again at once.
+MIN_WAIT_SECONDS = 0.05
+
+# One reconcile: `full` is False for a pass a trigger asked for between resyncs; returns the
+# seconds until it wants to run again (None: at the next resync).
+Reconcile = Callable[[bool], Awaitable[float | None]]
+
+
+async def resync_loop(
+    memo: OperatorContext,
+    key: tuple[str, str, str],
+    stopped: kopf.DaemonStopped,
+    reconcile: Reconcile,
+    *,
+    at_start: bool,
+) -> None:
+    """Run `reconcile` for the object `key` (kind, namespace, name) until `stopped`.
+    `at_start`: reconcile once before waiting (a DynamoWorker's create or resume handler has
+    just reconciled it; a LoRAAdapter has no such handler)."""
+    kind = key[0]
+    trigger = memo.trigger(*key)
+    memo.metrics.managed_objects.labels(kind=kind).inc()
+    resync = memo.config.resync_seconds
+    try:
+        last_full = time.monotonic()
+        wake: float | None = None
+        if at_start:
+            trigger.clear()
+            wake = await reconcile(True)
+        while not stopped:
+            wait = last_full + resync - time.monotonic()
+            if wake is not None:
+                wait = min(wait, max(wake, MIN_WAIT_SECONDS))
+            triggered = await _wait(trigger, stopped, max(wait, 0.0))
+            if stopped:
+                break
+            trigger.clear()
+            await asyncio.sleep(DEBOUNCE_SECONDS)
+            # A full pass when the resync is due, even while events keep coming.
+            full = not triggered or time.monotonic() - last_full >= resync
+            if full:
+                last_full = time.monotonic()
+            wake = await reconcile(full)
+    finally:
+        memo.metrics.managed_objects.labels(kind=kind).dec()
+        memo.metrics.forget_object(*key)
+        memo.forget(*key)
+
+
+async def _wait(trigger: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> bool:
+    """Until the trigger is set, the daemon is stopped, or `seconds` pass; whether the
+    trigger was set."""
+    waiters = [
+        asyncio.ensure_future(trigger.wait()),
+        asyncio.ensure_future(stopped.wait()),
+    ]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*waiters, return_exceptions=True)
+    return trigger.is_set()

@@ -1,0 +1,324 @@
+"""Pure builders: a DynamoWorker (and the operator's settings) in, its children's manifests out.
+
+Each `desired_*` returns the complete manifest the operator server-side-applies: only the
+fields it owns, no status, no server-filled defaults. No I/O here; unit tests compare the
+output with golden files. The frontend's children are built by `frontend`, from the shared
+pieces in `manifests`.
+"""
+
+from __future__ import annotations
+
+from dynamo_operator.api import metadata as dwm
+from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerSpec
+from dynamo_operator.pods import routes
+from dynamo_operator.reconcile.dynamoworker import interface as wi
+from dynamo_operator.reconcile.dynamoworker import manifests as m
+from dynamo_operator.reconcile.dynamoworker.frontend import desired_frontend_children
+from dynamo_operator.reconcile.dynamoworker.interface import Env
+from dynamo_operator.reconcile.dynamoworker.labels import (
+    ADAPTERS_READY_GATE,
+    DISCOVERY_LABELS,
+    common_labels,
+    deployment_name,
+    pdb_name,
+    pod_monitor_name,
+    selector_labels,
+    service_account_name,
+    service_name,
+)
+from dynamo_operator.reconcile.dynamoworker.manifests import Manifest
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
+from dynamo_operator.reconcile.errors import SpecError
+
+GPU_RESOURCE = "nvidia.com/gpu"
+POD_MONITOR_CRD = "podmonitors.monitoring.coreos.com"
+# A Deployment reports ProgressDeadlineExceeded after this long without progress. Pods may
+# legitimately take the whole startup-probe budget to load a model, so the deadline covers
+# that budget plus ten minutes for scheduling and image pulls.
+PROGRESS_DEADLINE_SECONDS = wi.STARTUP_BUDGET_SECONDS + 600
+WORKER_ROLE_VERBS = ["get", "create", "patch", "update", "delete"]
+VOLUME_SHM, VOLUME_CACHE, VOLUME_LORA = "shm", "cache", "lora-cache"
+
+
+def _worker_env(dw: DynamoWorker) -> list[Manifest]:
+    worker, namespace, _ = m.identity(dw)
+    spec = dw.spec
+    drain = spec.drain
+    plain: list[tuple[str, str]] = [
+        (Env.NAMESPACE, wi.dynamo_namespace(namespace, worker)),
+        (Env.COMPONENT, wi.COMPONENT),
+        (Env.SYSTEM_PORT, str(routes.SYSTEM_PORT)),
+        (Env.HTTP_PORT, str(wi.HTTP_PORT)),
+        (Env.DISCOVERY_BACKEND, wi.DISCOVERY_BACKEND),
+        (Env.REQUEST_PLANE, wi.REQUEST_PLANE),
+        (Env.LORA_ENABLED, "true" if spec.lora.enabled else "false"),
+    ]
+    max_loras = spec.lora.effective_max_loras
+    if max_loras is not None:
+        plain += [(Env.LORA_PATH, wi.LORA_PATH), (Env.MAX_LORAS, str(max_loras))]
+    plain += [
+        (Env.GRACE_PERIOD, str(drain.grace_period_seconds)),
+        (Env.PREFILL_DRAIN_TIMEOUT, str(drain.drain_timeout_seconds)),
+        (Env.SHUTDOWN_TIMEOUT, str(wi.shutdown_timeout_seconds(drain))),
+    ]
+    budget = spec.token_budget
+    if budget is not None:
+        plain += [
+            (Env.TOKEN_BUDGET_COMBINED_LIMIT, str(budget.combined_limit)),
+            (Env.TOKEN_BUDGET_REJECT_PROMPT, _bool(budget.reject_prompt_overflow)),
+            (Env.TOKEN_BUDGET_REJECT_TOTAL, _bool(budget.reject_total_overflow)),
+        ]
+    plain += [(Env.HOME, wi.TMP_PATH), (Env.HF_HOME, wi.HF_HOME_PATH)]
+    env: list[Manifest] = [{"name": str(name), "value": value} for name, value in plain]
+    env += m.downward_env()
+    env += _credential_env(spec)
+    return env
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _secret_env(name: str, secret: str, key: str) -> Manifest:
+    # Only the reference travels: the kubelet reads the Secret when it starts the container.
+    return {"name": str(name), "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _credential_env(spec: DynamoWorkerSpec) -> list[Manifest]:
+    credentials = spec.credentials
+    if credentials is None:
+        return []
+    env: list[Manifest] = []
+    s3 = credentials.s3
+    if s3 is not None:
+        env.append(_secret_env(Env.AWS_ACCESS_KEY_ID, s3.secret_name, s3.access_key_id_key))
+        env.append(_secret_env(Env.AWS_SECRET_ACCESS_KEY, s3.secret_name, s3.secret_access_key_key))
+        if s3.session_token_key is not None:
+            env.append(_secret_env(Env.AWS_SESSION_TOKEN, s3.secret_name, s3.session_token_key))
+        if s3.endpoint is not None:
+            env.append({"name": str(Env.AWS_ENDPOINT_URL), "value": s3.endpoint})
+            if s3.endpoint.startswith("http://"):
+                # The downloader refuses plain HTTP unless told; the user chose this endpoint.
+                env.append({"name": str(Env.AWS_ALLOW_HTTP), "value": "true"})
+        if s3.region is not None:
+            env.append({"name": str(Env.AWS_REGION), "value": s3.region})
+    hf = credentials.hugging_face
+    if hf is not None:
+        env.append(_secret_env(Env.HF_TOKEN, hf.secret_name, hf.token_key))
+    return env
+
+
+def _resources(spec: DynamoWorkerSpec) -> Manifest:
+    res = spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res.cpu is not None:
+        requests["cpu"] = m.quantity(res.cpu)
+    if res.memory is not None:
+        requests["memory"] = limits["memory"] = m.quantity(res.memory)
+    if res.gpus_per_pod > 0:
+        # Extended resources must be requested and limited alike.
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(res.gpus_per_pod)
+    out: Manifest = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: DynamoWorkerSpec) -> tuple[list[Manifest], list[Manifest]]:
+    volumes: list[Manifest] = [
+        {
+            "name": VOLUME_SHM,
+            "emptyDir": {
+                "medium": "Memory",
+                "sizeLimit": m.quantity(spec.resources.shared_memory_size),
+            },
+        },
+        {"name": m.VOLUME_TMP, "emptyDir": {}},
+        {"name": VOLUME_CACHE, "emptyDir": {}},
+    ]
+    mounts: list[Manifest] = [
+        {"name": VOLUME_SHM, "mountPath": wi.SHM_PATH},
+        {"name": m.VOLUME_TMP, "mountPath": wi.TMP_PATH},
+        {"name": VOLUME_CACHE, "mountPath": wi.CACHE_PATH},
+    ]
+    if spec.lora.enabled:
+        cache = spec.lora.cache
+        if cache is not None and cache.persistent_volume_claim is not None:
+            source: Manifest = {
+                "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim.claim_name}
+            }
+        else:
+            empty_dir: Manifest = {}
+            size_limit = cache.empty_dir.size_limit if cache and cache.empty_dir else None
+            if size_limit is not None:
+                empty_dir["sizeLimit"] = m.quantity(size_limit)
+            source = {"emptyDir": empty_dir}
+        volumes.append({"name": VOLUME_LORA, **source})
+        mounts.append({"name": VOLUME_LORA, "mountPath": wi.LORA_PATH})
+    return volumes, mounts
+
+
+def _probe(path: str, timings: dict[str, int]) -> Manifest:
+    return {"httpGet": {"path": path, "port": routes.SYSTEM_PORT_NAME}, **timings}
+
+
+def worker_image(dw: DynamoWorker, settings: ReconcileSettings) -> str:
+    """spec.image, else the operator's default worker image."""
+    image = dw.spec.image or settings.worker_image
+    if not image:
+        raise SpecError(
+            "spec.image is unset and the operator has no default worker image; set spec.image "
+            "or run the operator with --worker-image"
+        )
+    return image
+
+
+def desired_deployment(
+    dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
+) -> Manifest:
+    """The Deployment of worker pods (container `main` running `dynamo-worker`); with the
+    LoRA-adapters readiness gate when `adapters_gate` (see `adapter_gate`)."""
+    worker, _, _ = m.identity(dw)
+    spec = dw.spec
+    env = _worker_env(dw)
+    env += m.user_env(spec.pod, "spec.pod", {e["name"] for e in env})
+    volumes, mounts = _volumes(spec)
+    container: Manifest = {
+        "name": wi.CONTAINER_NAME,
+        "image": worker_image(dw, settings),
+        "command": list(wi.COMMAND),
+        "args": wi.worker_args(spec),
+        "ports": [
+            {
+                "name": routes.SYSTEM_PORT_NAME,
+                "containerPort": routes.SYSTEM_PORT,
+                "protocol": "TCP",
+            },
+            {"name": wi.HTTP_PORT_NAME, "containerPort": wi.HTTP_PORT, "protocol": "TCP"},
+        ],
+        "env": env,
+        "resources": _resources(spec),
+        "startupProbe": _probe(routes.LIVE_PATH, wi.STARTUP),
+        "livenessProbe": _probe(routes.LIVE_PATH, wi.LIVENESS),
+        "readinessProbe": _probe(routes.HEALTH_PATH, wi.READINESS),
+        "securityContext": dict(m.CONTAINER_SECURITY_CONTEXT),
+        "volumeMounts": mounts,
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: Manifest = {
+        "serviceAccountName": service_account_name(worker),
+        # The worker writes its own DynamoWorkerMetadata, so it needs its token.
+        "automountServiceAccountToken": True,
+        # Service links would add env for every Service in the namespace.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": wi.termination_grace_period_seconds(spec.drain),
+        "securityContext": dict(m.POD_SECURITY_CONTEXT),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if settings.worker_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
+    if adapters_gate:
+        pod_spec["readinessGates"] = [{"conditionType": ADAPTERS_READY_GATE}]
+    pod_spec.update(m.scheduling(spec.pod))
+    template_metadata = m.pod_metadata(
+        spec.pod,
+        {**common_labels(worker), **DISCOVERY_LABELS},
+        m.scrape_annotations(spec, settings, routes.SYSTEM_PORT),
+    )
+    deployment = m.deployment(
+        dw,
+        deployment_name(worker),
+        spec.replicas,
+        selector_labels(worker),
+        {"metadata": template_metadata, "spec": pod_spec},
+    )
+    deployment["spec"]["progressDeadlineSeconds"] = PROGRESS_DEADLINE_SECONDS
+    return deployment
+
+
+def desired_service(dw: DynamoWorker) -> Manifest:
+    """The headless Service on the system and HTTP ports; its EndpointSlices list ready pods
+    and carry upstream's discovery labels."""
+    worker, _, _ = m.identity(dw)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": m.object_metadata(dw, service_name(worker), DISCOVERY_LABELS),
+        "spec": {
+            "clusterIP": "None",
+            # Not-ready pods stay out of the EndpointSlices (publishNotReadyAddresses is left at
+            # its default, false: the API server omits a false value, so setting it would
+            # never compare equal to the stored object).
+            "selector": selector_labels(worker),
+            "ports": [
+                m.service_port(routes.SYSTEM_PORT_NAME, routes.SYSTEM_PORT),
+                m.service_port(wi.HTTP_PORT_NAME, wi.HTTP_PORT),
+            ],
+        },
+    }
+
+
+def desired_pdb(dw: DynamoWorker) -> Manifest:
+    """At most one worker pod voluntarily disrupted at a time. Unhealthy pods may always be
+    evicted, so a crashing worker never blocks a node drain."""
+    worker, _, _ = m.identity(dw)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": m.object_metadata(dw, pdb_name(worker)),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(worker)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def desired_service_account(dw: DynamoWorker) -> Manifest:
+    """The worker pods' identity."""
+    return m.service_account(dw, service_account_name(m.identity(dw)[0]))
+
+
+def desired_role(dw: DynamoWorker) -> Manifest:
+    """What a worker does with the API: write its own DynamoWorkerMetadata, nothing else.
+    (A Role cannot name objects that do not exist yet for `create`, so the rule covers the
+    kind in the namespace.)"""
+    rule = {"apiGroups": [dwm.GROUP], "resources": [dwm.PLURAL], "verbs": list(WORKER_ROLE_VERBS)}
+    return m.role(dw, service_account_name(m.identity(dw)[0]), [rule])
+
+
+def desired_role_binding(dw: DynamoWorker) -> Manifest:
+    """Grants the Role to the worker ServiceAccount."""
+    return m.role_binding(dw, service_account_name(m.identity(dw)[0]))
+
+
+def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
+    """A Prometheus Operator PodMonitor scraping each worker pod's system port."""
+    worker, _, _ = m.identity(dw)
+    return m.pod_monitor(
+        dw, pod_monitor_name(worker), selector_labels(worker), routes.SYSTEM_PORT_NAME
+    )
+
+
+def desired_children(
+    dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
+) -> list[Manifest]:
+    """Every child the worker should have, in apply order: identity and permissions before
+    the pods that use them. The PodMonitor only when its CRD exists; the frontend's children
+    last (when spec.frontend is set)."""
+    children = [
+        desired_service_account(dw),
+        desired_role(dw),
+        desired_role_binding(dw),
+        desired_service(dw),
+        desired_pdb(dw),
+        desired_deployment(dw, settings, adapters_gate=adapters_gate),
+    ]
+    if m.wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
+        children.append(desired_pod_monitor(dw))
+    return children + desired_frontend_children(dw, settings)

@@ -1,0 +1,71 @@
+"""Writing an object's status back, for both kinds: only when it changed, and never twice.
+
+The watch delivers an object some time after our status write lands, so a reconcile that runs
+meanwhile still sees the status that write replaced. `StatusWriter.current` returns our last
+write in that case; computing from it keeps condition transition times and Events right, and
+does not write the same status twice. A status is compared as `compute` would write it (the
+status model's defaults filled, unknown fields dropped), so the two compare equal exactly
+when a write would change nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_operator.api.base import StatusModel
+from dynamo_operator.k8s import kinds
+from dynamo_operator.k8s.client import ApiError, Cluster
+from dynamo_operator.reconcile.errors import TransientError
+
+
+@dataclass
+class StatusWriter:
+    """Status patches of one kind, whose status is the model `status_model`."""
+
+    cluster: Cluster
+    kind: kinds.Kind
+    status_model: type[StatusModel]
+    # Per object uid: the status it had before our last write, and the status we wrote.
+    _written: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(
+        default_factory=dict, init=False
+    )
+
+    def normalized(self, raw: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A stored status as a reconcile would write it."""
+        return self.status_model.model_validate(dict(raw or {})).to_dict()
+
+    def current(self, meta: Mapping[str, Any], raw: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The object's status, normalized; our last write when the watch has not delivered
+        it yet (the object still shows what that write replaced)."""
+        status = self.normalized(raw)
+        known = self._written.get(str(meta.get("uid", "")))
+        if known is not None and status == known[0]:
+            return known[1]
+        return status
+
+    async def write(
+        self, meta: Mapping[str, Any], existing: dict[str, Any], new: dict[str, Any]
+    ) -> bool:
+        """Patch the status from `existing` to `new` when they differ; whether it wrote.
+        Raises TransientError when the API server refused (but not for a deleted object)."""
+        if new == existing:
+            return False
+        # A merge patch keeps keys it does not mention: name the ones that went away.
+        patch: dict[str, Any] = {key: None for key in existing if key not in new}
+        patch.update(new)
+        try:
+            await self.cluster.patch_status(
+                self.kind, str(meta["namespace"]), str(meta["name"]), patch
+            )
+        except ApiError as err:
+            if err.status == 404:  # deleted meanwhile
+                return False
+            raise TransientError(str(err)) from err
+        self._written[str(meta.get("uid", ""))] = (existing, new)
+        return True
+
+    def forget(self, uid: str) -> None:
+        """Drop what is remembered about a deleted object."""
+        self._written.pop(uid, None)
