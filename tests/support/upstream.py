@@ -147,7 +147,9 @@ class UpstreamFleet:
                     raise AssertionError(f"upstream's frontend did not start:\n{frontend.log()}")
                 await asyncio.sleep(0.1)
 
-    def start_upstream_worker(self, model: Path, *args: str) -> tuple[UpstreamProcess, str]:
+    def start_upstream_worker(
+        self, model: Path, *args: str, env: Mapping[str, str] | None = None
+    ) -> tuple[UpstreamProcess, str]:
         """Upstream's sample worker (rotating token ids); it and its system server's URL."""
         port = free_port()
         worker = UpstreamProcess(
@@ -165,7 +167,7 @@ class UpstreamFleet:
                 str(model),
                 *args,
             ],
-            self.upstream_env(DYN_SYSTEM_PORT=str(port)),
+            self.upstream_env(DYN_SYSTEM_PORT=str(port), **(env or {})),
             self.root / f"upstream-worker-{len(self.processes)}.log",
         )
         self.processes.append(worker)

@@ -13,7 +13,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from blake3 import blake3
 
-from dynamo.runtime.admin import EngineRoutes
 from dynamo.runtime.card_files import (
     BASE_SUFFIX,
     CardFileKey,
@@ -26,7 +25,8 @@ from dynamo.runtime.discovery import AdapterCard, EndpointAddress, WorkerAdverti
 from dynamo.runtime.discovery.records import card_file_paths, discovery_metadata, model_files
 from dynamo.runtime.health import HealthState
 from dynamo.runtime.metrics import RuntimeMetrics, auto_labels
-from dynamo.runtime.system_server import SystemServer
+from dynamo.runtime.system.admin import EngineRoutes
+from dynamo.runtime.system.server import SystemServer
 
 pytestmark = pytest.mark.unit
 

@@ -319,3 +319,23 @@ async def test_file_backend_writes_event_buckets(tmp_path: Path) -> None:
     assert f"event_sources/{event_file}" in names
     await backend.close()
     assert not record_files(tmp_path)
+
+
+def test_dropped_kv_events_are_counted() -> None:
+    dropped: list[int] = []
+    plane = EventPlane(
+        worker_id=7,
+        bind_host="127.0.0.1",
+        advertised_host="127.0.0.1",
+        on_kv_event_dropped=lambda: dropped.append(1),
+    )
+    publisher = plane.kv_events(0)
+    load = plane.active_load()
+    publisher.publish_cleared()
+    assert dropped == []  # sent (a PUB socket without subscribers discards it, as upstream)
+    plane.close()
+    publisher.publish_cleared()
+    load.publish(
+        0, ComponentSnapshot(kv_used_blocks=1, kv_total_blocks=2, gpu_cache_usage=0.5, dp_rank=0)
+    )
+    assert dropped == [1]  # only the KV-events channel counts

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 
+from dynamo.common import model_taints
 from dynamo.common.model_taints import (
     MODEL_TAINT_ROUTE,
     TOPOLOGY_TAINT_PREFIX,
@@ -100,3 +102,56 @@ async def test_register_uses_the_update_route_and_needs_the_runtime() -> None:
     # ...publishing needs `dynamo.llm`, which this process does not have.
     with pytest.raises(RuntimeError, match=r"dynamo\.llm\.update_model_taints"):
         await handler({"taints": ["gpu"]})
+
+
+async def test_the_route_calls_update_model_taints_through_the_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Upstream's seam: replacing or wrapping the module's coroutine function changes what
+    # the registered route does, also after registration.
+    runtime = RouteRecorder()
+    endpoint = object()
+    register_model_taint_route(runtime, endpoint=endpoint)
+    store = TaintStore()
+    monkeypatch.setattr(model_taints, "update_model_taints", store.update)
+    handler = runtime.routes[MODEL_TAINT_ROUTE]
+    assert await handler({"taints": ["gpu=h100", "zone=a"]}) == {
+        "status": "ok",
+        "taints": ["gpu=h100", "zone=a"],
+    }
+    assert store.calls == [(endpoint, {"gpu=h100", "zone=a"})]
+
+    wrapped: list[set[str]] = []
+
+    async def wrapper(endpoint: Any, taints: set[str]) -> None:
+        wrapped.append(taints)
+        await store.update(endpoint, taints)
+
+    monkeypatch.setattr(model_taints, "update_model_taints", wrapper)
+    await handler({"taints": []})
+    assert wrapped == [set()]
+    assert store.calls[-1] == (endpoint, set())
+
+
+async def test_update_model_taints_is_a_coroutine_publishing_through_the_endpoint() -> None:
+    assert inspect.iscoroutinefunction(model_taints.update_model_taints)
+    assert list(inspect.signature(model_taints.update_model_taints).parameters) == [
+        "endpoint",
+        "taints",
+    ]
+
+    class WorkerEndpoint:
+        """This worker runtime's endpoints publish through their own discovery record."""
+
+        def __init__(self) -> None:
+            self.published: list[set[str]] = []
+
+        async def publish_model_taints(self, taints: set[str]) -> None:
+            self.published.append(taints)
+
+    endpoint = WorkerEndpoint()
+    await model_taints.update_model_taints(endpoint, {"a"})
+    assert endpoint.published == [{"a"}]
+    # Another endpoint needs the runtime's `dynamo.llm`, which this process does not have.
+    with pytest.raises(RuntimeError, match=r"dynamo\.llm\.update_model_taints"):
+        await model_taints.update_model_taints(object(), {"a"})

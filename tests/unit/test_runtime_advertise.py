@@ -12,10 +12,10 @@ from dynamo.common.backend import EngineConfig, GenerateRequest, LlmRegistration
 from dynamo.common.backend.model_input import ModelInput
 from dynamo.common.constants import DisaggregationMode
 from dynamo.engines.sample import SampleEngine, SampleEngineArgs
-from dynamo.runtime import advertise
 from dynamo.runtime.canary import Canary
 from dynamo.runtime.discovery.records import metadata_for
 from dynamo.runtime.health import HealthState
+from dynamo.runtime.registration import advertise
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ ENV_NAMES = (
     "DYN_DATA_PARALLEL_START_RANK", "DYN_MAX_LORAS", "DYN_LORA_ENABLED", "DYN_LORA_PATH",
     "DYN_SYSTEM_PORT", "DYN_HTTP_PORT", "DYN_PREFILL_DRAIN_TIMEOUT_S", "DYN_NAMESPACE",
     "DYN_TOKEN_BUDGET_COMBINED_LIMIT", "DYN_TOKEN_BUDGET_REJECT_TOTAL_OVERFLOW",
-    "DYN_DISCOVERY_BACKEND", "DYN_LOG",
+    "DYN_DISCOVERY_BACKEND", "DYN_LOG", "DYN_REQUEST_PLANE", "DYN_EVENT_PLANE",
 )  # fmt: skip
 
 
@@ -59,6 +59,7 @@ def test_flags_become_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         "--enable-lora", "--lora-cache-path", "/tmp/loras", "--system-port", "0",
         "--drain-timeout", "7.5", "--namespace", "team", "--token-budget-combined-limit", "64",
         "--no-token-budget-reject-total-overflow", "--discovery-backend", "file",
+        "--request-plane", "tcp", "--event-plane", "zmq",
     ]  # fmt: skip
     for name in ENV_NAMES:
         monkeypatch.setenv(name, "")  # registered with monkeypatch so they are restored
@@ -72,6 +73,11 @@ def test_flags_become_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["DYN_TOKEN_BUDGET_COMBINED_LIMIT"] == "64"
     assert os.environ["DYN_TOKEN_BUDGET_REJECT_TOTAL_OVERFLOW"] == "false"
     assert os.environ["DYN_DISCOVERY_BACKEND"] == "file"
+    # Upstream's worker flags, with upstream's variables.
+    assert (os.environ["DYN_REQUEST_PLANE"], os.environ["DYN_EVENT_PLANE"]) == ("tcp", "zmq")
+    # Nothing of them is left for the engine, whose parser would refuse them.
+    args, extras = cli.build_parser().parse_known_args(["--request-plane", "http"])
+    assert (args.request_plane, extras) == ("http", [])
 
 
 @pytest.mark.parametrize(
@@ -82,6 +88,7 @@ def test_flags_become_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--system-port", "-2"], "--system-port must be -1-65535"),
         (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
         (["--engine", "nocolon"], "must be MODULE:CLASS"),
+        (["--request-plane", "nats"], "--request-plane nats needs NATS"),
     ],
 )
 def test_bad_values_are_one_line(
@@ -127,7 +134,7 @@ async def test_create_engine_reports_engine_errors_in_one_line(
     engine, config = await cli.create_engine(SampleEngine, ["--token-delay", "0.5"])
     assert isinstance(engine, SampleEngine)
     assert engine.args.token_delay == 0.5
-    assert config.request_plane == "http"
+    assert config.request_plane == "tcp"
     with pytest.raises(SystemExit) as info:
         await cli.create_engine(SampleEngine, ["--no-such-flag"])
     assert info.value.code == 2

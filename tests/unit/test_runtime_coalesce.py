@@ -17,13 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.common.backend import EngineConfig, GenerateRequest, LLMEngine, WorkerConfig
 from dynamo.engines.sample import SampleEngine, SampleEngineArgs
-from dynamo.runtime import openai
-from dynamo.runtime.coalesce import OutputBuffer
 from dynamo.runtime.context import Context
+from dynamo.runtime.http_plane import openai
+from dynamo.runtime.http_plane.coalesce import OutputBuffer
+from dynamo.runtime.http_plane.server import RequestPlane
 from dynamo.runtime.inflight import InflightTracker
 from dynamo.runtime.metrics import RuntimeMetrics, auto_labels
 from dynamo.runtime.models import ServedModels
-from dynamo.runtime.request_plane import RequestPlane
+from dynamo.runtime.serving import Serving
 
 pytestmark = pytest.mark.unit
 
@@ -31,10 +32,12 @@ pytestmark = pytest.mark.unit
 async def serve(engine: Any, flush_interval: float) -> tuple[RequestPlane, str]:
     metrics = RuntimeMetrics(auto_labels("ns", "backend", "generate", 5))
     plane = RequestPlane(
-        engine,
-        models=ServedModels(base="sample-model", created=1),
-        metrics=metrics,
-        tracker=InflightTracker(),
+        Serving(
+            engine,
+            models=ServedModels(base="sample-model", created=1),
+            metrics=metrics,
+            tracker=InflightTracker(),
+        ),
         flush_interval=flush_interval,
     )
     port = await plane.start("127.0.0.1", 0)
@@ -42,7 +45,7 @@ async def serve(engine: Any, flush_interval: float) -> tuple[RequestPlane, str]:
 
 
 def response_bytes(plane: RequestPlane) -> float:
-    for family in text_string_to_metric_families(plane._metrics.exposition()):
+    for family in text_string_to_metric_families(plane.serving.metrics.exposition()):
         for sample in family.samples:
             if sample.name == "dynamo_component_response_bytes_total":
                 return sample.value

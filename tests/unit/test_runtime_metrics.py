@@ -70,7 +70,18 @@ def test_request_lifecycle_and_lora_metrics() -> None:
     assert value(text, "dynamo_component_response_bytes_total") == 20
     assert value(text, "dynamo_component_errors_total", error_type="invalid_argument") == 1
     assert value(text, "dynamo_component_cancellation_total") == 1
-    assert value(text, "dynamo_component_uptime_seconds") >= 0
+    # Upstream scopes these two wider: the process (worker_id only) and the component.
+    exposed = samples(text)
+    assert exposed[("dynamo_component_uptime_seconds", (("worker_id", "abc123"),))] >= 0
+    component = (
+        ("dynamo_component", "backend"),
+        ("dynamo_namespace", "ns"),
+        ("worker_id", "abc123"),
+    )
+    dropped = "dynamo_component_kv_publisher_engines_dropped_events_total"
+    assert exposed[(dropped, component)] == 0
+    metrics.kv_events_dropped.inc()
+    assert samples(metrics.exposition())[(dropped, component)] == 1
     model = {"model": "/models/m", "model_name": "m"}
     assert value(text, "dynamo_component_model_load_time_seconds", **model) == 1.5
     assert value(text, "dynamo_component_drain_time_seconds", **model) == 0

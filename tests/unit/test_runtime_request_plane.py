@@ -18,10 +18,11 @@ from dynamo.common.token_budget import TokenBudget
 from dynamo.engines.sample import SampleEngine, SampleEngineArgs
 from dynamo.runtime import generation
 from dynamo.runtime.context import Context
+from dynamo.runtime.http_plane.server import RequestPlane
 from dynamo.runtime.inflight import InflightTracker
 from dynamo.runtime.metrics import RuntimeMetrics, auto_labels
 from dynamo.runtime.models import ServedModels
-from dynamo.runtime.request_plane import RequestPlane
+from dynamo.runtime.serving import Serving
 from support.lora_adapters import adapter_files, lora_env, write_tree
 
 pytestmark = pytest.mark.unit
@@ -36,7 +37,7 @@ class Plane:
         self.plane = plane
         self.tracker = tracker
         self.url = url
-        self.metrics: RuntimeMetrics = plane._metrics  # the registry under test
+        self.metrics: RuntimeMetrics = plane.serving.metrics  # the registry under test
 
     def metric(self, name: str) -> float:
         text = self.metrics.exposition()
@@ -51,11 +52,13 @@ async def start_plane(engine: Any, *, budget: TokenBudget | None = None) -> Plan
     metrics = RuntimeMetrics(auto_labels("ns", "backend", "generate", 5))
     tracker = InflightTracker()
     plane = RequestPlane(
-        engine,
-        models=ServedModels(base="sample-model", created=1),
-        metrics=metrics,
-        tracker=tracker,
-        budget=budget,
+        Serving(
+            engine,
+            models=ServedModels(base="sample-model", created=1),
+            metrics=metrics,
+            tracker=tracker,
+            budget=budget,
+        )
     )
     port = await plane.start("127.0.0.1", 0)
     return Plane(engine, plane, tracker, f"http://127.0.0.1:{port}")
@@ -236,7 +239,7 @@ async def test_adapter_selected_by_model(served: Plane, lora_env: Path) -> None:
     await served.engine.engine_update(
         "load_lora", {"lora_name": "tuned", "source": {"uri": f"file://{path}"}}
     )
-    served.plane.models.adapters = {"tuned": 1}
+    served.plane.serving.models.adapters = {"tuned": 1}
     async with aiohttp.ClientSession() as session:
         answers = {}
         for model in ("sample-model", "tuned"):

@@ -9,11 +9,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynamo.runtime.admin import RUNNING, AdminRoutes, EngineRoutes, Lifecycle
 from dynamo.runtime.health import HealthState
-from dynamo.runtime.loras import lora_response
 from dynamo.runtime.metrics import RuntimeMetrics, auto_labels
-from dynamo.runtime.system_server import SystemServer
+from dynamo.runtime.system.admin import RUNNING, AdminRoutes, EngineRoutes, Lifecycle
+from dynamo.runtime.system.loras import lora_response
+from dynamo.runtime.system.server import SystemServer
 
 pytestmark = pytest.mark.unit
 
@@ -200,8 +200,24 @@ async def test_lora_routes_forward_and_map_status(harness: Harness) -> None:
             ("unload_lora", {"lora_name": "org/adapter"}),
             ("list_loras", {}),
         ]
-        response = await client.post("/v1/loras", data=b"{")
-        assert response.status == 400
+        # Bodies upstream's JSON extractor refuses never reach the engine.
+        refused = [
+            (b"{", "application/json", 400, "Failed to parse the request body as JSON: "),
+            (b"{}", "application/json", 422, "Failed to deserialize the JSON body into "),
+            (b'{"lora_name": 3}', "application/json", 422, "Failed to deserialize the JSON "),
+            (b'{"lora_name": "a"}', "application/json", 422, "Failed to deserialize the JSON "),
+            (b'{"lora_name": "a", "source": {"uri": "u"}}', "text/plain", 415, "Expected "),
+        ]
+        for data, content_type, status, text in refused:
+            headers = {"Content-Type": content_type}
+            response = await client.post("/v1/loras", data=data, headers=headers)
+            assert (response.status, response.content_type) == (status, "text/plain"), data
+            assert (await response.text()).startswith(text), data
+        assert len(calls) == 3
+        # Upstream also takes the struct as a sequence of its fields.
+        response = await client.post("/v1/loras", json=["a/b", {"uri": "s3://bucket/a"}])
+        assert response.status == 200
+        assert calls[-1] == ("load_lora", body)
     finally:
         await client.close()
 

@@ -6,15 +6,15 @@ import pytest
 
 from dynamo.common.token_budget import TokenBudget
 from dynamo.engines.sample_tokenizer import SampleTokenizer
-from dynamo.runtime import openai
 from dynamo.runtime.budget import (
     TokenBudgetExceeded,
     budget_from_runtime_data,
     enforce_token_budget,
 )
-from dynamo.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
+from dynamo.runtime.errors import RequestError
+from dynamo.runtime.http_plane import openai
+from dynamo.runtime.http_plane.detokenize import IncrementalDetokenizer, StopStringFilter
 from dynamo.runtime.models import ServedModels
-from dynamo.runtime.openai import RequestError
 from dynamo.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit

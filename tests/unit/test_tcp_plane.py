@@ -23,6 +23,7 @@ from dynamo.runtime.discovery.records import endpoint_record
 from dynamo.runtime.inflight import InflightTracker
 from dynamo.runtime.metrics import RuntimeMetrics, auto_labels
 from dynamo.runtime.models import ServedModels
+from dynamo.runtime.serving import Serving
 from dynamo.runtime.settings import RuntimeSettings
 from dynamo.runtime.tcp_plane import TcpRequestPlane, address, codec, messages
 from support.tcp_frontend import FakeFrontend
@@ -72,11 +73,13 @@ async def sample() -> AsyncIterator[SampleEngine]:
 async def serve(engine: Any) -> Setup:
     tracker = InflightTracker()
     plane = TcpRequestPlane(
-        engine,
+        Serving(
+            engine,
+            models=ServedModels(base="sample-model", adapters={"my-lora": 1}),
+            metrics=RuntimeMetrics(auto_labels("dynamo", "backend", "generate", 0x1F)),
+            tracker=tracker,
+        ),
         endpoint_path=PATH,
-        models=ServedModels(base="sample-model", adapters={"my-lora": 1}),
-        metrics=RuntimeMetrics(auto_labels("dynamo", "backend", "generate", 0x1F)),
-        tracker=tracker,
     )
     port = await plane.start("127.0.0.1", 0)
     return Setup(engine, plane, tracker, port)
@@ -162,7 +165,7 @@ async def test_kill_stops_the_engine_and_ends_without_sentinel(frontend: FakeFro
     assert not stream.complete_final
     assert not stream.sentinel
     assert len(stream.items) < 50
-    assert setup.plane._metrics.cancellations._value.get() == 1
+    assert setup.plane.serving.metrics.cancellations._value.get() == 1
     await setup.plane.stop()
     await engine.cleanup()
 
@@ -337,7 +340,8 @@ def test_addresses_and_the_endpoint_record() -> None:
 
 
 def test_request_plane_setting() -> None:
-    assert RuntimeSettings.from_env({}).request_plane == "http"
+    assert RuntimeSettings.from_env({}).request_plane == "tcp"
+    assert RuntimeSettings().request_plane == "tcp"
     settings = RuntimeSettings.from_env(
         {"DYN_REQUEST_PLANE": "TCP", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RPC_PORT": "7"}
     )

@@ -34,17 +34,27 @@ def validate_model_taints(body: object) -> list[str]:
     return sorted(set(taints))
 
 
-async def _runtime_update_model_taints(endpoint: Any, taints: set[str]) -> None:
-    # Resolved per call: the worker runtime provides `dynamo.llm`, and this module must stay
-    # importable (and its route registrable) before that runtime is loaded.
+async def update_model_taints(endpoint: Any, taints: set[str]) -> None:
+    """Publish `taints` as the endpoint's caller-managed model taints.
+
+    Upstream's seam: the route calls this function through the module, so code may replace
+    or wrap it. An endpoint of this worker runtime publishes through its own discovery
+    (`publish_model_taints`); any other needs the runtime's `dynamo.llm.update_model_taints`.
+    """
+    publish = getattr(endpoint, "publish_model_taints", None)
+    if publish is not None:
+        await publish(taints)
+        return
+    # Resolved per call: this module must stay importable (and its route registrable)
+    # where no worker runtime is loaded.
     try:
-        from dynamo.llm import update_model_taints
+        from dynamo.llm import update_model_taints as runtime_update_model_taints
     except ImportError as exc:
         raise RuntimeError(
             "model taint updates need the Dynamo worker runtime (dynamo.llm.update_model_taints),"
             " which is not available in this process"
         ) from exc
-    await update_model_taints(endpoint, taints)
+    await runtime_update_model_taints(endpoint, taints)
 
 
 def make_model_taint_handler(
@@ -52,14 +62,13 @@ def make_model_taint_handler(
 ) -> TaintRouteHandler:
     """Build the route callback: validate the body, publish the taints, answer with them.
 
-    An empty list clears the caller-managed taints. `update_taints` defaults to the
-    runtime's `dynamo.llm.update_model_taints`.
+    An empty list clears the caller-managed taints. `update_taints` defaults to this
+    module's `update_model_taints`, looked up at each call.
     """
-    updater = update_taints or _runtime_update_model_taints
 
     async def handle(body: Any) -> dict[str, Any]:
         taints = validate_model_taints(body)
-        await updater(endpoint, set(taints))
+        await (update_taints or update_model_taints)(endpoint, set(taints))
         return {"status": "ok", "taints": taints}
 
     return handle

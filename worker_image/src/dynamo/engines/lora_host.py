@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any, Final
 
 import blake3
 
+from dynamo.common.backend import LLMEngine
 from dynamo.common.lora import LoRAManager, get_lora_manager
 from dynamo.common.rl import (
     RLAdminValidationError,
@@ -275,3 +277,38 @@ def _is_cached(manager: LoRAManager, uri: str) -> bool:
     except Exception:
         # An unparseable URI: the download reports the error properly.
         return False
+
+
+class LoRAHostEngine(LLMEngine):
+    """An `LLMEngine` that serves LoRA adapters through a `LoRAAdapterHost`.
+
+    The engine supplies the two callbacks that touch its weights; this class owns the host
+    and wires the engine updates to it.
+    """
+
+    def __init__(self, *, max_loras: int, lora_manager: LoRAManager | None) -> None:
+        """`lora_manager` None means `get_lora_manager()` at each load."""
+        self.lora_host = LoRAAdapterHost(
+            max_loras=max_loras,
+            load=self._load_adapter,
+            unload=self._unload_adapter,
+            manager=lora_manager,
+        )
+
+    @abstractmethod
+    async def _load_adapter(self, name: str, lora_id: int, path: Path) -> None:
+        """Make the adapter in `path` servable under `name` (also a hot swap)."""
+
+    @abstractmethod
+    async def _unload_adapter(self, name: str, lora_id: int) -> None:
+        """Drop the adapter."""
+
+    def supported_updates(self) -> set[str]:
+        """The LoRA updates (`load_lora`, `unload_lora`, `list_loras`)."""
+        return set(LORA_UPDATES)
+
+    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Hand LoRA updates to the adapter host."""
+        if update in LORA_UPDATES:
+            return await self.lora_host.handle(update, body)
+        return await super().engine_update(update, body)

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import hashlib
 import itertools
-import logging
 import math
 import os
 import random
@@ -42,30 +41,28 @@ from dynamo.common.backend import (
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
-    LLMEngine,
     LlmRegistration,
     WorkerConfig,
 )
 from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
 from dynamo.common.backend.health_check import build_health_check_payload
 from dynamo.common.backend.publisher import KvEventSource, PushSource
-from dynamo.common.forward_pass_metrics import (
-    ForwardPassMetrics,
-    ScheduledRequestMetrics,
-    WelfordAccumulator,
-)
+from dynamo.common.forward_pass_metrics import WelfordAccumulator
 from dynamo.common.lora import LoRAManager
-from dynamo.common.utils.namespace import get_worker_namespace
-from dynamo.engines.lora_host import LORA_UPDATES, LoRAAdapterHost
+from dynamo.engines.fpm import ForwardPassEmitter, ForwardPassMetricsSink
+from dynamo.engines.lora_host import LoRAHostEngine
 from dynamo.engines.sample_kv import PrefixCache
 from dynamo.engines.sample_tokenizer import BOS_ID, BYTE_OFFSET, SampleTokenizer
-
-logger = logging.getLogger(__name__)
+from dynamo.engines.worker_args import (
+    DEFAULT_MAX_LORAS,
+    add_worker_args,
+    check_minimums,
+    settings_from,
+    worker_config,
+)
 
 TOKEN_DELAY_ENV = "DYN_SAMPLE_TOKEN_DELAY"
 _ALPHABET = [BYTE_OFFSET + byte for byte in b"abcdefghijklmnopqrstuvwxyz     "]
-
-ForwardPassMetricsSink = Callable[[ForwardPassMetrics], object]
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,7 @@ class SampleEngineArgs:
     max_num_seqs: int = 256
     data_parallel_size: int = 1
     data_parallel_start_rank: int = 0
-    max_loras: int = 4
+    max_loras: int = DEFAULT_MAX_LORAS
     # Seconds `start` takes, to stand in for loading a model.
     startup_delay: float = 0.0
 
@@ -97,10 +94,7 @@ class SampleEngineArgs:
             "data_parallel_start_rank": 0,
             "max_loras": 0,
         }
-        for name, minimum in minimums.items():
-            if getattr(self, name) < minimum:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be >= {minimum}, got {getattr(self, name)}")
+        check_minimums(self, minimums)
         for name in ("token_delay", "startup_delay"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -135,27 +129,21 @@ def output_seed(token_ids: list[int], adapter: str | None) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
-class SampleEngine(LLMEngine):
+class SampleEngine(LoRAHostEngine):
     """Synthetic-token engine (see the module docstring)."""
 
     def __init__(self, args: SampleEngineArgs, *, lora_manager: LoRAManager | None = None):
+        super().__init__(max_loras=args.max_loras, lora_manager=lora_manager)
         self.args = args
         self.tokenizer: SampleTokenizer | None = None
-        self.lora_host = LoRAAdapterHost(
-            max_loras=args.max_loras,
-            load=self._load_adapter,
-            unload=self._unload_adapter,
-            manager=lora_manager,
-        )
         self.adapter_paths: dict[str, Path] = {}
         self._served_names: set[str] = set()
         self._active: dict[int, _Sequence] = {}
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
-        self._fpm_sink: ForwardPassMetricsSink | None = None
+        self._fpm = ForwardPassEmitter()
         self._snapshot_publisher: Any = None
         self._last_snapshot: dict[int, int] = {}
-        self._worker_id = ""
         self._iterations = 0
         self._next_rank = itertools.cycle(self.component_metrics_dp_ranks())
         self._closed = False
@@ -174,39 +162,14 @@ class SampleEngine(LLMEngine):
         """Parse the flags (`--help` lists them) into an engine and its WorkerConfig."""
         parser = build_arg_parser()
         ns = parser.parse_args(argv)
-        try:
-            args = SampleEngineArgs(
-                model=ns.model,
-                served_model_name=ns.served_model_name,
-                token_delay=ns.token_delay,
-                max_tokens=ns.max_tokens,
-                context_length=ns.context_length,
-                kv_block_size=ns.kv_block_size,
-                total_kv_blocks=ns.total_kv_blocks,
-                max_num_seqs=ns.max_num_seqs,
-                data_parallel_size=ns.data_parallel_size,
-                data_parallel_start_rank=ns.data_parallel_start_rank,
-                max_loras=ns.max_loras,
-                startup_delay=ns.startup_delay,
-            )
-        except ValueError as exc:
-            parser.error(str(exc))
-        config = WorkerConfig(
-            namespace=get_worker_namespace(ns.namespace),
-            component=ns.component,
-            endpoint=ns.endpoint,
-            model_name=ns.model,
-            served_model_name=ns.served_model_name,
-            discovery_backend=os.environ.get("DYN_DISCOVERY_BACKEND") or "mem",
-            request_plane="http",
-        )
-        return cls(args), config
+        args = settings_from(parser, ns, SampleEngineArgs)
+        return cls(args), worker_config(ns)
 
     async def start(self, worker_id: int) -> EngineConfig:
         """Start the scheduler (after `--startup-delay`, standing in for a model load)."""
         if self.args.startup_delay:
             await asyncio.sleep(self.args.startup_delay)
-        self._worker_id = str(worker_id)
+        self._fpm.worker_id = str(worker_id)
         self.tokenizer = SampleTokenizer()
         self._served_names = {self.args.model, self.args.served_model_name or self.args.model}
         self._scheduler = asyncio.get_running_loop().create_task(
@@ -363,7 +326,7 @@ class SampleEngine(LLMEngine):
 
     def attach_forward_pass_metrics_sink(self, sink: ForwardPassMetricsSink | None) -> None:
         """Receive one `ForwardPassMetrics` per iteration and rank (and idle heartbeats)."""
-        self._fpm_sink = sink
+        self._fpm.sink = sink
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
         """Publish per-rank KV snapshots through `publisher.publish(rank, snapshot)`."""
@@ -414,8 +377,7 @@ class SampleEngine(LLMEngine):
             publisher.publish(rank, snapshot)
 
     def _emit_iteration(self, batch: list[_Sequence], wall_time: float) -> None:
-        sink = self._fpm_sink
-        if sink is None:
+        if not self._fpm.attached:
             return
         for rank in self.component_metrics_dp_ranks():
             prefill, decode = WelfordAccumulator(), WelfordAccumulator()
@@ -430,57 +392,24 @@ class SampleEngine(LLMEngine):
                     decode.add(seq.prompt_tokens + seq.generated)
             if prefill.n == 0 and decode.n == 0:
                 continue
-            scheduled = ScheduledRequestMetrics(
-                num_prefill_requests=prefill.n,
-                sum_prefill_tokens=int(prefill.s),
-                var_prefill_length=prefill.variance(),
-                sum_prefill_kv_tokens=prefill_kv,
-                num_decode_requests=decode.n,
-                sum_decode_kv_tokens=int(decode.s),
-                var_decode_kv_tokens=decode.variance(),
-            )
-            self._send_fpm(
-                ForwardPassMetrics(
-                    worker_id=self._worker_id,
-                    dp_rank=rank,
-                    counter_id=self._iterations,
-                    wall_time=wall_time,
-                    scheduled_requests=scheduled,
-                )
+            self._fpm.iteration(
+                dp_rank=rank,
+                counter_id=self._iterations,
+                wall_time=wall_time,
+                prefill=prefill,
+                decode=decode,
+                prefill_kv_tokens=prefill_kv,
             )
 
     def _emit_idle(self) -> None:
-        if self._fpm_sink is None:
-            return
         for rank in self.component_metrics_dp_ranks():
-            self._send_fpm(
-                ForwardPassMetrics(
-                    worker_id=self._worker_id, dp_rank=rank, counter_id=self._iterations
-                )
-            )
-
-    def _send_fpm(self, metrics: ForwardPassMetrics) -> None:
-        assert self._fpm_sink is not None
-        try:
-            self._fpm_sink(metrics)
-        except Exception:
-            logger.exception("forward-pass metrics sink failed")
+            self._fpm.heartbeat(dp_rank=rank, counter_id=self._iterations)
 
     # ----- health and updates ----------------------------------------------------------
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         """One `<s>` token, one output token."""
         return build_health_check_payload(BOS_ID)
-
-    def supported_updates(self) -> set[str]:
-        """The LoRA updates."""
-        return set(LORA_UPDATES)
-
-    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
-        """LoRA updates go to the adapter host."""
-        if update in LORA_UPDATES:
-            return await self.lora_host.handle(update, body)
-        return await super().engine_update(update, body)
 
     async def _load_adapter(self, name: str, lora_id: int, path: Path) -> None:
         del lora_id
@@ -501,7 +430,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     defaults = SampleEngineArgs()
     parser.add_argument("--model", default=defaults.model, help="model name (nothing is loaded)")
-    parser.add_argument("--served-model-name", default=None, help="name clients use")
     parser.add_argument(
         "--token-delay",
         type=float,
@@ -515,15 +443,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-block-size", type=int, default=defaults.kv_block_size)
     parser.add_argument("--total-kv-blocks", type=int, default=defaults.total_kv_blocks)
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--data-parallel-size", type=int, default=defaults.data_parallel_size)
-    parser.add_argument(
-        "--data-parallel-start-rank", type=int, default=defaults.data_parallel_start_rank
-    )
-    parser.add_argument("--max-loras", type=int, default=defaults.max_loras)
     parser.add_argument(
         "--startup-delay", type=float, default=0.0, help="seconds start() takes (a fake load)"
     )
-    parser.add_argument("--namespace", default=None, help="default $DYN_NAMESPACE or dynamo")
-    parser.add_argument("--component", default="backend")
-    parser.add_argument("--endpoint", default="generate")
+    add_worker_args(parser)
     return parser

@@ -38,10 +38,9 @@ import contextlib
 import inspect
 import logging
 import math
-import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,20 +50,22 @@ from dynamo.common.backend import (
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
-    LLMEngine,
     LlmRegistration,
     WorkerConfig,
 )
 from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
 from dynamo.common.backend.health_check import bos_token_id_or, build_health_check_payload
-from dynamo.common.forward_pass_metrics import (
-    ForwardPassMetrics,
-    QueuedRequestMetrics,
-    ScheduledRequestMetrics,
-    WelfordAccumulator,
-)
+from dynamo.common.forward_pass_metrics import WelfordAccumulator
 from dynamo.common.lora import LoRAManager
-from dynamo.engines.lora_host import LORA_UPDATES, LoRAAdapterHost
+from dynamo.engines.fpm import ForwardPassEmitter, ForwardPassMetricsSink
+from dynamo.engines.lora_host import LoRAHostEngine
+from dynamo.engines.worker_args import (
+    DEFAULT_MAX_LORAS,
+    add_worker_args,
+    check_minimums,
+    settings_from,
+    worker_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -73,8 +74,6 @@ logger = logging.getLogger(__name__)
 
 # PEFT's reserved adapter name for "no adapter" in per-call `adapter_names`.
 _PEFT_BASE = "__base__"
-
-ForwardPassMetricsSink = Callable[[ForwardPassMetrics], object]
 
 
 class FinishReason:
@@ -91,7 +90,7 @@ class TransformersEngineArgs:
 
     model: str
     served_model_name: str | None = None
-    max_loras: int = 4
+    max_loras: int = DEFAULT_MAX_LORAS
     max_num_seqs: int = 8
     kv_block_size: int = 16
     device: str = "auto"
@@ -109,11 +108,7 @@ class TransformersEngineArgs:
             "data_parallel_size": 1,
             "data_parallel_start_rank": 0,
         }
-        for name, minimum in minimums.items():
-            value = getattr(self, name)
-            if value is not None and value < minimum:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{name} ({flag}) must be >= {minimum}, got {value}")
+        check_minimums(self, minimums)
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype (--dtype) must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -304,7 +299,7 @@ def _context_stopped(context: Any) -> bool:
     return False
 
 
-class TransformersEngine(LLMEngine):
+class TransformersEngine(LoRAHostEngine):
     """Serve a local Hugging Face causal-LM checkpoint, with PEFT LoRA adapters per request.
 
     See the module docstring for the scheduling and LoRA design.
@@ -323,17 +318,11 @@ class TransformersEngine(LLMEngine):
         which needs `DYN_LORA_ENABLED`. `fpm_sink` receives one `ForwardPassMetrics` per
         scheduler iteration (see `attach_forward_pass_metrics_sink`).
         """
+        super().__init__(max_loras=args.max_loras, lora_manager=lora_manager)
         self.args = args
         self.tokenizer: Any = None
-        self.lora_host = LoRAAdapterHost(
-            max_loras=args.max_loras,
-            load=self._load_adapter,
-            unload=self._unload_adapter,
-            manager=lora_manager,
-        )
-        self._fpm_sink = fpm_sink
+        self._fpm = ForwardPassEmitter(fpm_sink)
         self._snapshot_publisher: Any = None
-        self._worker_id = ""
         first = args.data_parallel_start_rank
         self._ranks = [_Rank(r) for r in range(first, first + args.data_parallel_size)]
         self._base: Any = None
@@ -371,33 +360,12 @@ class TransformersEngine(LLMEngine):
                 f"--model {ns.model}: no config.json there; pass a local Hugging Face "
                 "checkpoint directory"
             )
-        try:
-            args = TransformersEngineArgs(
-                model=ns.model,
-                served_model_name=ns.served_model_name,
-                max_loras=ns.max_loras,
-                max_num_seqs=ns.max_num_seqs,
-                kv_block_size=ns.kv_block_size,
-                device=ns.device,
-                dtype=ns.dtype,
-                context_length=ns.context_length,
-                data_parallel_size=ns.data_parallel_size,
-                data_parallel_start_rank=ns.data_parallel_start_rank,
-            )
-        except ValueError as exc:
-            parser.error(str(exc))
-        config = WorkerConfig(
-            namespace=ns.namespace,
-            component=ns.component,
-            endpoint=ns.endpoint,
-            model_name=ns.model,
-            served_model_name=ns.served_model_name,
-        )
-        return cls(args), config
+        args = settings_from(parser, ns, TransformersEngineArgs)
+        return cls(args), worker_config(ns)
 
     async def start(self, worker_id: int) -> EngineConfig:
         """Load the tokenizer and weights, start the scheduler, return the registration."""
-        self._worker_id = str(worker_id)
+        self._fpm.worker_id = str(worker_id)
         await asyncio.to_thread(self._load_model)
         for rank in self._ranks:
             rank.task = asyncio.create_task(
@@ -746,7 +714,7 @@ class TransformersEngine(LLMEngine):
 
     def attach_forward_pass_metrics_sink(self, sink: ForwardPassMetricsSink | None) -> None:
         """Receive one `ForwardPassMetrics` per iteration (and an idle heartbeat)."""
-        self._fpm_sink = sink
+        self._fpm.sink = sink
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
         """Publish each rank's KV usage through `publisher.publish(rank, snapshot)`."""
@@ -771,7 +739,7 @@ class TransformersEngine(LLMEngine):
         queued: list[_Sequence],
         wall_time: float,
     ) -> None:
-        if self._fpm_sink is None:
+        if not self._fpm.attached:
             return
         prefill, decode, waiting = (
             WelfordAccumulator(),
@@ -788,46 +756,22 @@ class TransformersEngine(LLMEngine):
         for seq in queued:
             waiting.add(len(seq.prompt))
         rank.iterations += 1
-        self._send_fpm(
-            ForwardPassMetrics(
-                worker_id=self._worker_id,
-                dp_rank=rank.rank,
-                counter_id=rank.iterations,
-                wall_time=wall_time,
-                scheduled_requests=ScheduledRequestMetrics(
-                    num_prefill_requests=prefill.n,
-                    sum_prefill_tokens=int(prefill.s),
-                    var_prefill_length=prefill.variance(),
-                    # No prefix cache: a prefill computes its whole prompt.
-                    sum_prefill_kv_tokens=0,
-                    num_decode_requests=decode.n,
-                    sum_decode_kv_tokens=int(decode.s),
-                    var_decode_kv_tokens=decode.variance(),
-                ),
-                queued_requests=QueuedRequestMetrics(
-                    num_prefill_requests=waiting.n,
-                    sum_prefill_tokens=int(waiting.s),
-                    var_prefill_length=waiting.variance(),
-                ),
-            )
+        self._fpm.iteration(
+            dp_rank=rank.rank,
+            counter_id=rank.iterations,
+            wall_time=wall_time,
+            prefill=prefill,
+            decode=decode,
+            # No prefix cache: a prefill computes its whole prompt.
+            prefill_kv_tokens=0,
+            queued=waiting,
         )
 
     def _emit_idle_heartbeat(self, rank: _Rank) -> None:
-        if self._fpm_sink is None:
+        if not self._fpm.attached:
             return
         rank.iterations += 1
-        self._send_fpm(
-            ForwardPassMetrics(
-                worker_id=self._worker_id, dp_rank=rank.rank, counter_id=rank.iterations
-            )
-        )
-
-    def _send_fpm(self, metrics: ForwardPassMetrics) -> None:
-        assert self._fpm_sink is not None
-        try:
-            self._fpm_sink(metrics)
-        except Exception:
-            logger.exception("forward-pass metrics sink failed; dropping one message")
+        self._fpm.heartbeat(dp_rank=rank.rank, counter_id=rank.iterations)
 
     def _publish_snapshot(self, rank: _Rank) -> None:
         if self._snapshot_publisher is None:
@@ -854,16 +798,6 @@ class TransformersEngine(LLMEngine):
         return build_health_check_payload(bos_token_id_or(self.tokenizer))
 
     # ----- LoRA --------------------------------------------------------------------------
-
-    def supported_updates(self) -> set[str]:
-        """The LoRA updates (`load_lora`, `unload_lora`, `list_loras`)."""
-        return set(LORA_UPDATES)
-
-    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Hand LoRA updates to the adapter host."""
-        if update in LORA_UPDATES:
-            return await self.lora_host.handle(update, body)
-        return await super().engine_update(update, body)
 
     def adapter_names(self) -> list[str]:
         """Names of the adapters requests may select now."""
@@ -979,14 +913,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="local checkpoint directory")
     parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="name clients use for the base model (default: the --model value)",
-    )
-    parser.add_argument(
-        "--max-loras", type=int, default=4, help="adapters loaded at once (default 4)"
-    )
-    parser.add_argument(
         "--max-num-seqs",
         type=int,
         default=8,
@@ -1011,24 +937,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
         choices=sorted(_DTYPES),
         help="weights dtype (auto: float32 on CPU, bfloat16 or float16 on CUDA)",
     )
-    parser.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="data-parallel ranks served by this engine: each has its own scheduler, queue "
-        "and KV budget over the one shared model copy (default 1)",
-    )
-    parser.add_argument(
-        "--data-parallel-start-rank",
-        type=int,
-        default=0,
-        help="global rank of this engine's first data-parallel rank (default 0)",
-    )
-    parser.add_argument(
-        "--namespace",
-        default=os.environ.get("DYN_NAMESPACE", "dynamo"),
-        help="Dynamo namespace (default $DYN_NAMESPACE or dynamo)",
-    )
-    parser.add_argument("--component", default="backend", help="component name (default backend)")
-    parser.add_argument("--endpoint", default="generate", help="endpoint name (default generate)")
+    # Each data-parallel rank has its own scheduler, queue and KV budget over the one model.
+    add_worker_args(parser)
     return parser

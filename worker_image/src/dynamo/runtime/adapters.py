@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dynamo.common.backend import BaseEngine
+from dynamo.common.backend.engine import BaseEngine
 from dynamo.runtime.metrics import RuntimeMetrics
 from dynamo.runtime.models import ServedModels
 

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from dynamo.common.backend import BaseEngine
+from dynamo.common.backend.engine import BaseEngine
 from dynamo.runtime.context import Context
 from dynamo.runtime.health import HealthState
 

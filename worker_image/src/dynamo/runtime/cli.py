@@ -21,12 +21,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from dynamo.common.backend import BaseEngine, WorkerConfig
+from dynamo.common.backend.engine import BaseEngine
+from dynamo.common.backend.worker_config import WorkerConfig
 
 logger = logging.getLogger("dynamo.runtime.cli")
 
 PROG = "dynamo-worker"
 DEFAULT_ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
+# Engines `--engine` also takes by a short name.
+ENGINE_NAMES = {"transformers": DEFAULT_ENGINE, "vllm": "dynamo.engines.vllm:VllmEngine"}
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
@@ -34,6 +37,8 @@ EXIT_FAILURE = 1
 _ENV_FOR = {
     "namespace": "DYN_NAMESPACE",
     "discovery_backend": "DYN_DISCOVERY_BACKEND",
+    "request_plane": "DYN_REQUEST_PLANE",
+    "event_plane": "DYN_EVENT_PLANE",
     "lora_cache_path": "DYN_LORA_PATH",
     "system_host": "DYN_SYSTEM_HOST",
     "system_port": "DYN_SYSTEM_PORT",
@@ -54,8 +59,12 @@ _FLAG_ENV = {
 EPILOG = """\
 environment (each flag's variable; also read by the runtime):
   DYN_WORKER_ENGINE, DYN_MODEL, DYN_SERVED_MODEL_NAME, DYN_NAMESPACE, DYN_DISCOVERY_BACKEND
-  (kubernetes|file|mem; default mem), DYN_DATA_PARALLEL_SIZE, DYN_DATA_PARALLEL_START_RANK,
-  DYN_LORA_ENABLED, DYN_MAX_LORAS, DYN_LORA_PATH, DYN_SYSTEM_HOST, DYN_SYSTEM_PORT,
+  (kubernetes|file|mem; default mem), DYN_REQUEST_PLANE (tcp|http; default tcp: upstream's
+  TCP request plane beside the HTTP routes, advertised in discovery so upstream's frontend
+  routes here; http: the HTTP routes only), DYN_EVENT_PLANE (zmq|nats; default zmq: KV
+  events and load beside the TCP plane; nats: none), DYN_DATA_PARALLEL_SIZE,
+  DYN_DATA_PARALLEL_START_RANK, DYN_LORA_ENABLED, DYN_MAX_LORAS, DYN_LORA_PATH,
+  DYN_SYSTEM_HOST, DYN_SYSTEM_PORT,
   DYN_HTTP_HOST, DYN_HTTP_PORT, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS,
   DYN_PREFILL_DRAIN_TIMEOUT_S, DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT,
   DYN_FORWARDPASS_METRIC_PORT, DYN_TOKEN_BUDGET_COMBINED_LIMIT,
@@ -63,10 +72,9 @@ environment (each flag's variable; also read by the runtime):
 also read: DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH, DYN_SYSTEM_STARTING_HEALTH_STATUS,
   DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, DYN_HEALTH_CHECK_ENABLED, DYN_HEALTH_CHECK_PAYLOAD,
   DYN_CANARY_WAIT_TIME, DYN_HEALTH_CHECK_REQUEST_TIMEOUT, DYN_FORWARDPASS_METRIC_HOST,
-  DYN_REQUEST_PLANE (http|tcp: tcp also serves upstream's TCP request plane and ZMQ event
-  plane, so upstream's frontend routes here), DYN_TCP_RPC_HOST, DYN_TCP_RPC_PORT,
-  DYN_TCP_MAX_MESSAGE_SIZE, DYN_EVENT_PLANE, DYN_EVENT_PLANE_HOST, DYN_FILE_KV,
-  POD_NAME/POD_NAMESPACE/POD_UID (kubernetes discovery), AWS_* and HF_* (LoRA downloads).
+  DYN_TCP_RPC_HOST, DYN_TCP_RPC_PORT, DYN_TCP_MAX_MESSAGE_SIZE, DYN_EVENT_PLANE_HOST,
+  DYN_FILE_KV, POD_NAME/POD_NAMESPACE/POD_UID (kubernetes discovery), AWS_* and HF_* (LoRA
+  downloads).
 
 shutdown (SIGTERM/SIGINT): /health turns 503 and the worker leaves discovery at once; after
 the grace period new requests get 503; in-flight requests may finish within the drain
@@ -119,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         default=_env("DYN_WORKER_ENGINE") or DEFAULT_ENGINE,
         metavar="MODULE:CLASS",
-        help=f"engine class to serve (default {DEFAULT_ENGINE})",
+        help=f"engine class to serve, or one of {', '.join(ENGINE_NAMES)} (default "
+        f"{DEFAULT_ENGINE})",
     )
     add(
         "--model",
@@ -138,6 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=("kubernetes", "file", "mem"),
         help="where the worker publishes itself (default $DYN_DISCOVERY_BACKEND or mem)",
+    )
+    add(
+        "--request-plane",
+        default=None,
+        choices=("tcp", "nats", "http"),
+        help="how routers reach the worker (default $DYN_REQUEST_PLANE or tcp): tcp serves "
+        "upstream's TCP request plane beside the HTTP routes and advertises it; http "
+        "advertises the HTTP routes only; nats is upstream's, not available here",
+    )
+    add(
+        "--event-plane",
+        default=None,
+        choices=("zmq", "nats"),
+        help="where KV events and load go (default $DYN_EVENT_PLANE or zmq); nats is "
+        "upstream's, not available here (no events are published)",
     )
     dp = parser.add_argument_group("data parallelism")
     dp.add_argument(
@@ -261,7 +285,15 @@ def check_args(args: argparse.Namespace) -> None:
             args.token_budget_combined_limit is not None and args.token_budget_combined_limit < 0,
             "--token-budget-combined-limit must be >= 0",
         ),
-        (":" not in args.engine, f"--engine {args.engine!r} must be MODULE:CLASS"),
+        (
+            ":" not in args.engine and args.engine not in ENGINE_NAMES,
+            f"--engine {args.engine!r} must be MODULE:CLASS or one of {', '.join(ENGINE_NAMES)}",
+        ),
+        (
+            args.request_plane == "nats",
+            "--request-plane nats needs NATS, which this worker does not have; use tcp "
+            "(upstream's frontend routes to it) or http",
+        ),
     ]
     for seconds, flag in (
         (args.grace_period, "--grace-period"),
@@ -287,8 +319,9 @@ def apply_environment(args: argparse.Namespace) -> None:
 
 
 def load_engine_class(spec: str) -> type[BaseEngine]:
-    """Import `module:Class`; ValueError with one line on any problem."""
-    module_name, _, class_name = spec.partition(":")
+    """Import `module:Class` (or a name in `ENGINE_NAMES`); ValueError with one line on any
+    problem."""
+    module_name, _, class_name = ENGINE_NAMES.get(spec, spec).partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -364,9 +397,15 @@ async def run_worker(args: argparse.Namespace, extras: Sequence[str]) -> int:
     model = await resolve_model(args.model)
     engine, config = await create_engine(engine_cls, engine_argv(args, model, extras))
     backend = os.environ.get("DYN_DISCOVERY_BACKEND") or "mem"
-    # The worker's environment is authoritative for where it publishes itself.
-    config = dataclasses.replace(config, discovery_backend=backend)
     settings = RuntimeSettings.from_env()
+    # The worker's environment is authoritative for where it publishes itself and how
+    # routers reach it.
+    config = dataclasses.replace(
+        config,
+        discovery_backend=backend,
+        request_plane=settings.request_plane,
+        event_plane=settings.event_plane or config.event_plane,
+    )
     return await WorkerRuntime(engine, config, settings).run()
 
 

@@ -2,7 +2,9 @@
 
 Engines that publish their own discovery facts keep it: `connection_id()` is the instance
 id, `metrics` the engine-metrics handle, and `unregister_endpoint_instance()` /
-`register_endpoint_instance()` withdraw and re-publish this worker in discovery.
+`register_endpoint_instance()` withdraw and re-publish this worker in discovery, and
+`publish_model_taints(taints)` is how `dynamo.common.model_taints.update_model_taints`
+reaches this worker's discovery record.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Endpoint:
         metrics: EngineMetrics,
         register: Callable[[], Awaitable[None]],
         unregister: Callable[[], Awaitable[None]],
+        publish_taints: Callable[[set[str]], Awaitable[None]],
     ) -> None:
         self.namespace = namespace
         self.component = component
@@ -33,6 +36,7 @@ class Endpoint:
         self._instance_id = instance_id
         self._register = register
         self._unregister = unregister
+        self._publish_taints = publish_taints
 
     def connection_id(self) -> int:
         """The discovery instance id (upstream's connection id)."""
@@ -49,3 +53,7 @@ class Endpoint:
     async def register_endpoint_instance(self) -> None:
         """Publish this worker in discovery again."""
         await self._register()
+
+    async def publish_model_taints(self, taints: set[str]) -> None:
+        """Replace the caller-managed model taints in this worker's discovery record."""
+        await self._publish_taints(taints)

@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from dynamo.common.backend import BaseEngine
+from dynamo.common.backend.engine import BaseEngine
 from dynamo.runtime.context import Context
 from dynamo.runtime.inflight import InflightRequest
 

@@ -7,6 +7,10 @@ discovery registration; admin routes; then Running (health 200).
 
 Shutdown (signal): see `shutdown.ShutdownOrchestrator`: health 503 and unregister at once,
 grace period, drain every mode, cleanup exactly once, exit 0 (911 past the hard deadline).
+
+The pieces it wires: one `serving.Serving` given to both request planes (`http_plane`,
+`tcp_plane`), the system server and its admin routes (`system`), and the worker's entry in
+discovery (`registration`).
 """
 
 from __future__ import annotations
@@ -23,16 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo.common.backend import BaseEngine, EngineConfig, LLMEngine, RawEngine, WorkerConfig
+from dynamo.common.backend.engine import BaseEngine, EngineConfig, LLMEngine, RawEngine
 from dynamo.common.backend.health_check import HEALTH_CHECK_KEY, load_health_check_from_env
 from dynamo.common.backend.model_input import ModelInput
 from dynamo.common.backend.publisher import PushSource
+from dynamo.common.backend.worker_config import WorkerConfig
 from dynamo.common.constants import DisaggregationMode
 from dynamo.common.model_taints import MODEL_TAINT_ROUTE, make_model_taint_handler
 from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
-from dynamo.runtime import advertise, card_files
+from dynamo.runtime import card_files
 from dynamo.runtime.adapters import EngineUpdates
-from dynamo.runtime.admin import RUNNING, AdminRoutes, EngineRoutes, Lifecycle
 from dynamo.runtime.budget import budget_from_runtime_data
 from dynamo.runtime.canary import Canary
 from dynamo.runtime.discovery import records
@@ -42,14 +46,18 @@ from dynamo.runtime.event_plane import EventPlane
 from dynamo.runtime.event_plane.kv_metrics import SnapshotTee
 from dynamo.runtime.fpm import ForwardPassPublisher
 from dynamo.runtime.health import HealthState
+from dynamo.runtime.http_plane import RequestPlane
 from dynamo.runtime.inflight import InflightTracker
 from dynamo.runtime.metrics import EngineMetrics, LifecycleGauges, RuntimeMetrics, auto_labels
 from dynamo.runtime.models import ServedModels
-from dynamo.runtime.request_plane import RequestPlane
+from dynamo.runtime.registration import advertise
+from dynamo.runtime.registration.registrar import Registration
+from dynamo.runtime.serving import Serving
 from dynamo.runtime.settings import RuntimeSettings
-from dynamo.runtime.shutdown import ShutdownOrchestrator
+from dynamo.runtime.shutdown import Closer, ShutdownOrchestrator
 from dynamo.runtime.snapshot import SnapshotPublisher
-from dynamo.runtime.system_server import SystemServer
+from dynamo.runtime.system import SystemServer
+from dynamo.runtime.system.admin import RUNNING, SHUTTING_DOWN, AdminRoutes, EngineRoutes, Lifecycle
 from dynamo.runtime.tcp_plane import TcpRequestPlane, address
 
 logger = logging.getLogger(__name__)
@@ -131,11 +139,14 @@ class WorkerRuntime:
             use_endpoint_health_status=settings.use_endpoint_health_status,
         )
         self.tracker = InflightTracker()
-        # Held while registering or unregistering, so a signal during startup can never
-        # leave the worker registered, and discovery-changing controls never overlap it.
-        self.discovery_lock = asyncio.Lock()
-        self.registered = False
-        self.shutdown = ShutdownOrchestrator(self)
+        self.registration = Registration(discovery, self.advertisement, self.signalled)
+        self.shutdown = ShutdownOrchestrator(
+            self,
+            engine=engine,
+            tracker=self.tracker,
+            settings=settings,
+            prefill=config.disaggregation_mode is DisaggregationMode.PREFILL,
+        )
         self.system_port: int | None = None
         self.http_port: int | None = None
         self.gauges: LifecycleGauges | None = None
@@ -147,7 +158,6 @@ class WorkerRuntime:
         self.canary: Canary | None = None
         self.admin: AdminRoutes | None = None
         self._serving: _Serving | None = None
-        self._taints: list[str] = []
 
     # ----- entry point -------------------------------------------------------------------
 
@@ -280,6 +290,7 @@ class WorkerRuntime:
             worker_id=self.instance_id,
             bind_host=address.bind_host(host),
             advertised_host=address.advertised_host(host, self._environ),
+            on_kv_event_dropped=self.metrics.kv_events_dropped.inc,
         )
 
     async def _attach_kv_event_sources(self, plane: EventPlane) -> None:
@@ -303,25 +314,26 @@ class WorkerRuntime:
         runtime_data = self._merged_runtime_data(engine_config)
         aliases = {engine_config.model, *engine_config.model_aliases} - {served}
         models = ServedModels(base=served, aliases=frozenset(aliases), created=int(time.time()))
+        registration = self.registration
         updates = EngineUpdates(
-            self.engine, metrics=self.metrics, models=models, republish=self._republish
+            self.engine, metrics=self.metrics, models=models, republish=registration.republish
         )
         self.canary = self._build_canary(await self._health_check_payload())
-        self.request_plane = RequestPlane(
+        serving = Serving(
             self.engine,
             models=models,
             metrics=self.metrics,
             tracker=self.tracker,
             budget=budget_from_runtime_data(runtime_data),
-            raw=isinstance(self.engine, RawEngine),
             on_success=self.canary.record_success if self.canary else None,
         )
+        self.request_plane = RequestPlane(serving)
         self.http_port = await self.request_plane.start(settings.http_host, settings.http_port)
         host = advertise.advertise_host(settings.http_host, self._environ)
         logger.info("Request plane listening on http://%s:%d", settings.http_host, self.http_port)
         tcp_address = None
         if settings.request_plane == "tcp":
-            tcp_address = await self._start_tcp_plane(models, runtime_data)
+            tcp_address = await self._start_tcp_plane(serving)
         card_file_base_url = card_files.card_file_base_url(
             config.discovery_backend, settings.system_host, self.system_port, self._environ
         )
@@ -339,18 +351,19 @@ class WorkerRuntime:
             name=config.endpoint,
             instance_id=self.instance_id,
             metrics=EngineMetrics(self.metrics),
-            register=self._register,
-            unregister=self.discovery.unregister,
+            register=registration.register,
+            unregister=registration.unregister,
+            publish_taints=registration.update_taints,
         )
         await self.engine.on_endpoint_ready(endpoint)
         self._register_admin_routes(endpoint, updates)
         await updates.refresh()
-        async with self.discovery_lock:
+        async with registration.lock:
             if self.signalled.is_set():
                 logger.info("signalled during startup; not registering in discovery")
                 return
-            await self._register()
-            self.registered = True
+            await registration.register()
+            registration.registered = True
             logger.info("Serving %s on %s", served, endpoint.path())
             self.lifecycle.phase = RUNNING
             if self.canary is not None:
@@ -359,7 +372,7 @@ class WorkerRuntime:
                 self.health.set_endpoint_ready(config.endpoint, True)
             self.health.set_system_ready(True)
 
-    async def _start_tcp_plane(self, models: ServedModels, runtime_data: dict[str, Any]) -> str:
+    async def _start_tcp_plane(self, serving: Serving) -> str:
         """Serve upstream's TCP request plane; the `transport.tcp` address to advertise."""
         config, settings = self.config, self.settings
         advertised = address.advertised_host(settings.tcp_host, self._environ)
@@ -367,15 +380,7 @@ class WorkerRuntime:
             self.instance_id, config.namespace, config.component, config.endpoint
         )
         self.tcp_plane = TcpRequestPlane(
-            self.engine,
-            endpoint_path=path,
-            models=models,
-            metrics=self.metrics,
-            tracker=self.tracker,
-            budget=budget_from_runtime_data(runtime_data),
-            raw=isinstance(self.engine, RawEngine),
-            on_success=self.canary.record_success if self.canary else None,
-            max_message_bytes=settings.tcp_max_message_bytes,
+            serving, endpoint_path=path, max_message_bytes=settings.tcp_max_message_bytes
         )
         bind = address.bind_host(settings.tcp_host)
         port = await self.tcp_plane.start(bind, settings.tcp_port)
@@ -409,16 +414,17 @@ class WorkerRuntime:
             self.lifecycle,
             control=self.engine.engine_control,
             update=updates.call,
-            unregister=self.discovery.unregister,
-            register=self._register,
-            discovery_lock=self.discovery_lock,
+            unregister=self.registration.unregister,
+            register=self.registration.register,
+            discovery_lock=self.registration.lock,
         )
         self.admin = admin
         for name in sorted(self.engine.supported_controls()):
             self.routes.register(f"control/{name}", admin.control_route(name))
         for name in sorted(self.engine.supported_updates()):
             self.routes.register(f"update/{name}", admin.update_route(name))
-        taints = make_model_taint_handler(endpoint, self._update_taints)
+        # Through `dynamo.common.model_taints.update_model_taints`, upstream's seam.
+        taints = make_model_taint_handler(endpoint)
 
         async def taint_route(body: Any) -> dict[str, Any]:
             refused = admin.unavailable()
@@ -466,7 +472,7 @@ class WorkerRuntime:
             instance_id=self.instance_id,
             http_url=serving.http_url,
             runtime_data=serving.runtime_data,
-            taints=self._taints,
+            taints=self.registration.taints,
             adapters=serving.updates.adapters(),
             max_loras=getattr(lora_host, "max_loras", None),
             tcp_address=serving.tcp_address,
@@ -480,18 +486,38 @@ class WorkerRuntime:
             return {}
         return await asyncio.to_thread(records.card_file_paths, self.advertisement())
 
-    async def _register(self) -> None:
-        await self.discovery.register(self.advertisement())
+    # ----- what shutdown sees (shutdown.ShutdownSubject) ---------------------------------
 
-    async def _republish(self) -> None:
-        # Nothing to update before the first registration or once shutdown began.
-        if self.registered and not self.signalled.is_set():
-            await self.discovery.update(self.advertisement())
+    def stop_admitting(self) -> None:
+        """Admin routes answer "shutting down"; `/health` turns 503."""
+        self.lifecycle.phase = SHUTTING_DOWN
+        self.health.set_system_ready(False)
+        self.health.set_endpoint_ready(self.config.endpoint, False)
 
-    async def _update_taints(self, endpoint: Any, taints: set[str]) -> None:
-        del endpoint
-        self._taints = sorted(taints)
-        await self._republish()
+    async def leave_discovery(self) -> None:
+        """Unregister once (errors logged)."""
+        await self.registration.leave()
+
+    async def stop_canary(self) -> None:
+        """Stop the health-check canary, if one runs."""
+        if self.canary is not None:
+            await self.canary.stop()
+
+    def closers(self) -> list[Closer]:
+        """FPM and event-plane sockets, the request planes, discovery, the system server."""
+        steps: list[Closer] = []
+        if self.fpm is not None:
+            steps.append(("forward-pass metrics socket", self.fpm.close))
+        if self.event_plane is not None:
+            steps.append(("event plane", self.event_plane.close))
+        if self.tcp_plane is not None:
+            steps.append(("TCP request plane", self.tcp_plane.stop))
+        if self.request_plane is not None:
+            steps.append(("request plane", self.request_plane.stop))
+        steps.append(("discovery", self.discovery.close))
+        if self.system_server is not None:
+            steps.append(("system server", self.system_server.stop))
+        return steps
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Names and labels follow upstream's Rust runtime: every metric is `dynamo_component_<name>`
 with the auto labels `dynamo_namespace`, `dynamo_component`, `dynamo_endpoint` and
 `worker_id` (lower-case hex of the instance id); lifecycle and per-rank gauges add `model`
-and `model_name`. Engines add their own registries through `EngineMetrics` expfmt
+and `model_name`. Two are scoped wider, as upstream's: `uptime_seconds` (the process: only
+`worker_id`) and `kv_publisher_engines_dropped_events_total` (the component: no
+`dynamo_endpoint`). Engines add their own registries through `EngineMetrics` expfmt
 callbacks, whose text is appended to every scrape.
 """
 
@@ -95,13 +97,23 @@ class RuntimeMetrics:
             names,
             registry=registry,
         ).labels(**request_labels)
+        process_labels = {"worker_id": self.labels["worker_id"]}
         uptime = Gauge(
             PREFIX + "uptime_seconds",
             "Seconds since the worker runtime started",
-            list(self.labels),
+            list(process_labels),
             registry=registry,
-        ).labels(**self.labels)
+        ).labels(**process_labels)
         uptime.set_function(lambda: time.monotonic() - self._started)
+        component_labels = {
+            name: value for name, value in self.labels.items() if name != "dynamo_endpoint"
+        }
+        self.kv_events_dropped = Counter(
+            PREFIX + "kv_publisher_engines_dropped_events",
+            "KV cache events the event plane dropped (subscribers too slow, or closed)",
+            list(component_labels),
+            registry=registry,
+        ).labels(**component_labels)
         self._lora_metrics()
         self.model_labels: dict[str, str] = {}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo.runtime.openai import RequestError
+from dynamo.runtime.errors import RequestError
 
 
 @dataclass

@@ -11,10 +11,10 @@ Upstream names and defaults, except where noted as ours:
 | `DYN_HEALTH_CHECK_ENABLED` | false | canary probes through the engine when idle |
 | `DYN_CANARY_WAIT_TIME` / `DYN_HEALTH_CHECK_REQUEST_TIMEOUT` | 10 / 3 s | canary timing |
 | `DYN_HTTP_HOST` / `DYN_HTTP_PORT` (ours) | `0.0.0.0` / `8000` | request plane; 0 = ephemeral |
-| `DYN_REQUEST_PLANE` | `http` (upstream: `tcp`) | `tcp`: also upstream's TCP plane (1) |
+| `DYN_REQUEST_PLANE` | `tcp` | `tcp`: also upstream's TCP plane (1); `http` (ours): not |
 | `DYN_TCP_RPC_HOST` / `DYN_TCP_RPC_PORT` | (2) / `0` | TCP request plane; 0 = ephemeral |
 | `DYN_TCP_MAX_MESSAGE_SIZE` | 33554432 | largest request frame accepted, in bytes |
-| `DYN_EVENT_PLANE` | `zmq` | with the TCP plane: KV events/load on ZMQ; other values: off |
+| `DYN_EVENT_PLANE` | `zmq` | with the TCP plane: KV events/load on ZMQ; `nats`: off |
 | `DYN_EVENT_PLANE_HOST` | the TCP plane's host | address the event sockets advertise |
 | `DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS` | 5 | wait after unregistering, before draining |
 | `DYN_PREFILL_DRAIN_TIMEOUT_S` | 30 | drain budget; here it applies to **every** mode |
@@ -28,8 +28,8 @@ Upstream names and defaults, except where noted as ours:
 
 (1) served beside the HTTP routes and advertised in discovery as the Endpoint's transport, so
 upstream's frontend routes to this worker; with `http` the Endpoint advertises our HTTP URL,
-which upstream's readers do not understand. (2) unset: every interface, advertised as
-`POD_IP`, else 127.0.0.1.
+which upstream's readers do not understand; upstream's `nats` is refused (no NATS here).
+(2) unset: every interface, advertised as `POD_IP`, else 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class RuntimeSettings:
     health_check_timeout_secs: float = 3.0
     http_host: str = "0.0.0.0"
     http_port: int = 8000
-    request_plane: str = "http"
+    request_plane: str = "tcp"
     tcp_host: str | None = None
     tcp_port: int = 0
     tcp_max_message_bytes: int = 32 * 2**20
@@ -140,9 +140,10 @@ class RuntimeSettings:
 
 
 def request_plane_from_env(environ: Mapping[str, str]) -> str:
-    """`DYN_REQUEST_PLANE`: `http` (default: our HTTP routes only) or `tcp` (also upstream's
-    TCP request plane, advertised in discovery); ValueError for anything else."""
-    value = (env_text(environ, "DYN_REQUEST_PLANE") or "http").strip().lower()
+    """`DYN_REQUEST_PLANE`: `tcp` (default, as upstream: upstream's TCP request plane beside
+    our HTTP routes, advertised in discovery) or `http` (our HTTP routes only); ValueError
+    for anything else (upstream's `nats` included: there is no NATS here)."""
+    value = (env_text(environ, "DYN_REQUEST_PLANE") or "tcp").strip().lower()
     if value not in ("http", "tcp"):
         raise ValueError(
             f"DYN_REQUEST_PLANE={value!r} is not supported; use tcp (upstream's frontend "

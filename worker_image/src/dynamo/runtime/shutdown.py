@@ -14,22 +14,25 @@ Then (`run`):
    and ends with finish reason "cancelled". The time goes to `drain_time_seconds`;
 3. `engine.cleanup()` exactly once (`cleanup_time_seconds`);
 4. close the request planes, the FPM socket, discovery and the system server.
+
+The orchestrator sees the worker through `ShutdownSubject`, a handful of verbs, and is given
+the engine, the in-flight tracker and the timings when it is built.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from dynamo.common.constants import DisaggregationMode
-from dynamo.runtime.admin import SHUTTING_DOWN
+from dynamo.common.backend.engine import BaseEngine
+from dynamo.runtime.inflight import InflightTracker
+from dynamo.runtime.metrics import LifecycleGauges
+from dynamo.runtime.settings import RuntimeSettings
 from dynamo.runtime.watchdog import DeadlineWatchdog
-
-if TYPE_CHECKING:
-    from dynamo.runtime.lifecycle import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -39,45 +42,65 @@ ABORT_WAIT_SECS = 2.0
 FORCED_WAIT_SECS = 1.0
 QUIESCENT_POLL_SECS = 0.5
 
+# What to close last, in order: a name for the log, and a close that may be a coroutine.
+Closer = tuple[str, Callable[[], Awaitable[None] | None]]
+
+
+class ShutdownSubject(Protocol):
+    """What shutdown needs from the worker it stops."""
+
+    # The drain and cleanup gauges, once the engine started.
+    gauges: LifecycleGauges | None
+
+    def stop_admitting(self) -> None:
+        """Admin routes answer "shutting down" and `/health` turns 503."""
+
+    async def leave_discovery(self) -> None:
+        """Unregister once (errors logged)."""
+
+    async def stop_canary(self) -> None:
+        """Stop the health-check canary, if any."""
+
+    def closers(self) -> list[Closer]:
+        """The servers and sockets to close, in order."""
+
 
 class ShutdownOrchestrator:
-    """Runs a `WorkerRuntime`'s shutdown once."""
+    """Runs one worker's shutdown once."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self._runtime = runtime
+    def __init__(
+        self,
+        subject: ShutdownSubject,
+        *,
+        engine: BaseEngine,
+        tracker: InflightTracker,
+        settings: RuntimeSettings,
+        prefill: bool,
+    ) -> None:
+        """`prefill`: also wait for `engine.is_quiescent()` after the drain (upstream)."""
+        self._subject = subject
+        self._engine = engine
+        self._tracker = tracker
+        self._settings = settings
+        self._prefill = prefill
         self._cleaned = False
         self._unregister_task: asyncio.Task[None] | None = None
         self._watchdog: DeadlineWatchdog | None = None
 
     def begin(self) -> None:
         """The first signal: stop advertising at once and start the hard deadline."""
-        runtime = self._runtime
-        self._watchdog = DeadlineWatchdog(runtime.settings.hard_deadline_secs)
+        self._watchdog = DeadlineWatchdog(self._settings.hard_deadline_secs)
         self._watchdog.arm()
-        runtime.lifecycle.phase = SHUTTING_DOWN
-        runtime.health.set_system_ready(False)
-        runtime.health.set_endpoint_ready(runtime.config.endpoint, False)
-        self._unregister_task = asyncio.get_running_loop().create_task(self._unregister())
-
-    async def _unregister(self) -> None:
-        runtime = self._runtime
-        try:
-            async with runtime.discovery_lock:
-                if runtime.registered:
-                    await runtime.discovery.unregister()
-                    runtime.registered = False
-                    logger.info("unregistered from discovery")
-        except Exception:
-            logger.exception("unregistering from discovery failed")
+        self._subject.stop_admitting()
+        loop = asyncio.get_running_loop()
+        self._unregister_task = loop.create_task(self._subject.leave_discovery())
 
     async def run(self, *, serving: bool) -> None:
         """Grace period, drain (when serving), cleanup, close everything."""
-        runtime = self._runtime
-        if runtime.canary is not None:
-            await runtime.canary.stop()
+        await self._subject.stop_canary()
         if self._unregister_task is not None:
             await self._unregister_task
-        grace = runtime.settings.grace_period_secs
+        grace = self._settings.grace_period_secs
         if grace > 0:
             logger.info("grace period: %.1f s before draining", grace)
             await asyncio.sleep(grace)
@@ -91,14 +114,13 @@ class ShutdownOrchestrator:
 
     async def drain(self) -> None:
         """Refuse new requests, let in-flight ones finish within budget, abort the rest."""
-        runtime = self._runtime
-        tracker = runtime.tracker
+        tracker = self._tracker
         tracker.refuse_new()
-        budget = runtime.settings.drain_budget_secs
+        budget = self._settings.drain_budget_secs
         started = time.monotonic()
         logger.info("draining %d in-flight request(s) (budget %.1f s)", len(tracker), budget)
         drained = await tracker.wait_idle(budget)
-        if drained and runtime.config.disaggregation_mode is DisaggregationMode.PREFILL:
+        if drained and self._prefill:
             await self._wait_quiescent(started + budget)
         if not drained:
             count = tracker.stop_all()
@@ -113,13 +135,14 @@ class ShutdownOrchestrator:
                 tracker.cancel_all()
                 await tracker.wait_idle(FORCED_WAIT_SECS)
         elapsed = time.monotonic() - started
-        if runtime.gauges is not None:
-            runtime.gauges.drain_time.set(elapsed)
+        gauges = self._subject.gauges
+        if gauges is not None:
+            gauges.drain_time.set(elapsed)
         logger.info("drain finished in %.2f s", elapsed)
 
     async def _wait_quiescent(self, deadline: float) -> None:
         # Upstream's prefill drain: KV transfers to decode peers may still be running.
-        engine = self._runtime.engine
+        engine = self._engine
         last_log = time.monotonic()
         while time.monotonic() < deadline:
             try:
@@ -140,12 +163,13 @@ class ShutdownOrchestrator:
         self._cleaned = True
         started = time.monotonic()
         try:
-            await self._runtime.engine.cleanup()
+            await self._engine.cleanup()
         except Exception:
             logger.exception("engine.cleanup failed")
         elapsed = time.monotonic() - started
-        if self._runtime.gauges is not None:
-            self._runtime.gauges.cleanup_time.set(elapsed)
+        gauges = self._subject.gauges
+        if gauges is not None:
+            gauges.cleanup_time.set(elapsed)
         logger.info("engine cleanup took %.2f s", elapsed)
 
     async def after_failed_start(self) -> None:
@@ -154,22 +178,11 @@ class ShutdownOrchestrator:
         await self.close_servers()
 
     async def close_servers(self) -> None:
-        """Stop the request planes, FPM, discovery and the system server (errors logged)."""
-        runtime = self._runtime
-        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
-        if runtime.tcp_plane is not None:
-            steps.append(("TCP request plane", runtime.tcp_plane.stop))
-        if runtime.request_plane is not None:
-            steps.append(("request plane", runtime.request_plane.stop))
-        steps.append(("discovery", runtime.discovery.close))
-        if runtime.system_server is not None:
-            steps.append(("system server", runtime.system_server.stop))
-        if runtime.fpm is not None:
-            runtime.fpm.close()
-        if runtime.event_plane is not None:
-            runtime.event_plane.close()
-        for name, step in steps:
+        """Close what `closers()` names, in order (errors logged)."""
+        for name, close in self._subject.closers():
             try:
-                await step()
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
             except Exception:
                 logger.exception("closing the %s failed", name)

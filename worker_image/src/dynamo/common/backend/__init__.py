@@ -20,7 +20,8 @@ from dynamo.common.backend.logits_processing import (
 )
 from dynamo.common.backend.model_input import ModelInput
 from dynamo.common.backend.publisher import ComponentSnapshot, KvEventSource, PushSource, ZmqSource
-from dynamo.common.backend.worker import Worker, WorkerConfig
+from dynamo.common.backend.worker import Worker
+from dynamo.common.backend.worker_config import WorkerConfig
 
 __all__ = [
     "BaseEngine",

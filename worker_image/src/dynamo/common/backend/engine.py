@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Required, TypedDict
 if TYPE_CHECKING:
     from dynamo.common.backend.logits_processing import LogitsProcessorSpec
     from dynamo.common.backend.publisher import KvEventSource
-    from dynamo.common.backend.worker import WorkerConfig
+    from dynamo.common.backend.worker_config import WorkerConfig
 
 # The per-request context object is owned by the worker runtime (`Context`: id,
 # is_stopped, metadata, tracing, ...); engines only pass it around.

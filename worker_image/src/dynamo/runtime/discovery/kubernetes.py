@@ -26,18 +26,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo.runtime.discovery.base import WorkerAdvertisement
 from dynamo.runtime.discovery.records import ENDPOINTS, build_metadata, kubernetes_instance_id
+from dynamo.runtime.kube_api import api_client
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION = "nvidia.com", "v1alpha1"
 PLURAL, KIND = "dynamoworkermetadatas", "DynamoWorkerMetadata"
 FIELD_MANAGER = "dynamo-worker"
-SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 _RETRIES = 5  # transient API errors (overload, restarts) before giving up
 # Server-side apply; passed as a keyword mapping because the client's stubs omit it.
 _APPLY: dict[str, Any] = {"_content_type": "application/apply-patch+yaml"}
@@ -93,10 +93,6 @@ class KubernetesBackend:
         self._api = api
         self._owns_api = api is None
         self._environ = dict(environ)
-        # In a pod with a mounted token, use it; otherwise $KUBECONFIG (e.g. tests, laptops).
-        self._in_cluster = bool(environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(
-            SERVICE_ACCOUNT_TOKEN
-        )
         self._metadata: dict[str, Any] | None = None
         self._withdrawn = False
         self._lock = asyncio.Lock()  # applies land in call order
@@ -209,12 +205,5 @@ class KubernetesBackend:
 
     async def _client(self) -> client.ApiClient:
         if self._api is None:
-            cfg = client.Configuration()
-            if self._in_cluster:
-                config.load_incluster_config(client_configuration=cfg)
-            else:
-                await config.load_kube_config(
-                    config_file=self._environ.get("KUBECONFIG"), client_configuration=cfg
-                )
-            self._api = client.ApiClient(cfg)
+            self._api = await api_client(self._environ)
         return self._api

@@ -13,6 +13,7 @@ ingests a publisher's events only when a source record maps it to a worker and r
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 from dynamo.runtime.discovery.base import EventChannelAd
 from dynamo.runtime.event_plane.kv_events import KV_EVENTS_TOPIC, KvEventPublisher
@@ -28,13 +29,24 @@ __all__ = ["EventPlane", "KvEventPublisher"]
 class EventPlane:
     """The event-plane publishers of one worker process."""
 
-    def __init__(self, *, worker_id: int, bind_host: str, advertised_host: str) -> None:
+    def __init__(
+        self,
+        *,
+        worker_id: int,
+        bind_host: str,
+        advertised_host: str,
+        on_kv_event_dropped: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_kv_event_dropped` counts the KV events a channel had to drop."""
         self.worker_id = worker_id
         self._bind_host = bind_host
         self._advertised_host = advertised_host
+        self._on_kv_event_dropped = on_kv_event_dropped
         self._channels: list[tuple[ZmqEventPublisher, int | None]] = []
 
-    def _channel(self, topic: str, dp_rank: int | None) -> ZmqEventPublisher:
+    def _channel(
+        self, topic: str, dp_rank: int | None, on_dropped: Callable[[], None] | None = None
+    ) -> ZmqEventPublisher:
         # A fresh id per incarnation: the router treats two live publishers for one
         # (worker, rank) as ambiguous, and a restarted worker must not look like the old one.
         publisher_id = secrets.randbelow(_JSON_SAFE) + 1
@@ -43,13 +55,14 @@ class EventPlane:
             publisher_id,
             bind_host=self._bind_host,
             advertised_host=self._advertised_host,
+            on_dropped=on_dropped,
         )
         self._channels.append((channel, dp_rank))
         return channel
 
     def kv_events(self, dp_rank: int) -> KvEventPublisher:
         """A `kv-events` publisher for one data-parallel rank."""
-        channel = self._channel(KV_EVENTS_TOPIC, dp_rank)
+        channel = self._channel(KV_EVENTS_TOPIC, dp_rank, self._on_kv_event_dropped)
         return KvEventPublisher(channel, worker_id=self.worker_id, dp_rank=dp_rank)
 
     def active_load(self) -> ActiveLoadPublisher:

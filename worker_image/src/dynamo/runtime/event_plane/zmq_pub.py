@@ -22,6 +22,7 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -58,10 +59,20 @@ def encode_message(topic: str, publisher_id: int, sequence: int, body: Any) -> l
 class ZmqEventPublisher:
     """A bound PUB socket for one topic and one publisher id."""
 
-    def __init__(self, topic: str, publisher_id: int, *, bind_host: str, advertised_host: str):
-        """Bind `tcp://<bind_host>:<free port>`; `endpoint` is what the channel advertises."""
+    def __init__(
+        self,
+        topic: str,
+        publisher_id: int,
+        *,
+        bind_host: str,
+        advertised_host: str,
+        on_dropped: Callable[[], None] | None = None,
+    ):
+        """Bind `tcp://<bind_host>:<free port>`; `endpoint` is what the channel advertises.
+        `on_dropped` is called for each message dropped (subscribers lag, or closed)."""
         self.topic = topic
         self.publisher_id = publisher_id
+        self._on_dropped = on_dropped
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -86,13 +97,19 @@ class ZmqEventPublisher:
         """Send one message (dropped when closed)."""
         with self._lock:
             if self._closed:
+                self._dropped()
                 return
             frames = encode_message(self.topic, self.publisher_id, self._sequence, body)
             try:
                 self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
             except zmq.Again:
                 logger.debug("%s: subscribers lag; message %d dropped", self.topic, self._sequence)
+                self._dropped()
             self._sequence += 1
+
+    def _dropped(self) -> None:
+        if self._on_dropped is not None:
+            self._on_dropped()
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

@@ -6,9 +6,10 @@
 * `server`: the listener that ACKs requests and streams the engine's output;
 * `address`: bind and advertised addresses, the endpoint path.
 
-Enabled with `DYN_REQUEST_PLANE=tcp`; the worker then advertises
-`{"tcp": "<ip>:<port>/<instance id hex>/<namespace>/<component>/<endpoint>"}` with
-`request_plane_codec: "msgpack"` in its Endpoint record. Its own HTTP routes stay.
+Served unless `DYN_REQUEST_PLANE=http` (`--request-plane`; upstream's default, `tcp`, is
+ours). The Endpoint record then advertises, with `request_plane_codec: "msgpack"`,
+`{"tcp": "<ip>:<port>/<instance id hex>/<namespace>/<component>/<endpoint>"}`. The worker's
+own HTTP routes stay.
 """
 
 from dynamo.runtime.tcp_plane.server import TcpRequestPlane

@@ -4,9 +4,9 @@ Each accepted connection carries pipelined request frames. Every frame is ACKed 
 arrival order (the frontend matches ACKs first in, first out): accepted, or refused with
 `Server unavailable:` for an unknown endpoint path or while the worker drains. An accepted
 request then runs in its own task: decode the control message and the body, call home
-(`ResponseStream`), and stream the engine's chunks through the same `EngineStreamer` the
-HTTP request plane uses, so the engine contract, abort-on-cancel, the drain and the metrics
-are the same on both planes. Failures travel in-band: a bad request is upstream's
+(`ResponseStream`), and stream the engine's chunks through the `Serving` the HTTP request
+plane is given too, so the engine contract, abort-on-cancel, the drain and the metrics are
+the same on both planes. Failures travel in-band: a bad request is upstream's
 `InvalidArgument` (the frontend answers 400), an engine error `Unknown` (500).
 """
 
@@ -15,21 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from dynamo.common.backend import BaseEngine
-from dynamo.common.token_budget import TokenBudget
-from dynamo.runtime.budget import TokenBudgetExceeded, enforce_token_budget
 from dynamo.runtime.context import Context
-from dynamo.runtime.generation import EngineStreamer, StreamIncomplete
-from dynamo.runtime.inflight import InflightRequest, InflightTracker
-from dynamo.runtime.metrics import RuntimeMetrics
-from dynamo.runtime.models import ServedModels
-from dynamo.runtime.openai import RequestError
+from dynamo.runtime.errors import RequestError
+from dynamo.runtime.inflight import InflightRequest
+from dynamo.runtime.serving import Serving
 from dynamo.runtime.tcp_plane import messages
 from dynamo.runtime.tcp_plane.callhome import ResponseStream
 from dynamo.runtime.tcp_plane.codec import (
@@ -54,28 +47,17 @@ class TcpRequestPlane:
 
     def __init__(
         self,
-        engine: BaseEngine,
+        serving: Serving,
         *,
         endpoint_path: str,
-        models: ServedModels,
-        metrics: RuntimeMetrics,
-        tracker: InflightTracker,
-        budget: TokenBudget | None = None,
-        raw: bool = False,
-        on_success: Callable[[], None] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         """`endpoint_path` is the path advertised in the Endpoint record (requests carrying
-        another path are refused); `on_success` runs after each request that succeeded."""
+        another path are refused)."""
+        self.serving = serving
         self.endpoint_path = endpoint_path
-        self.models = models
-        self.budget = budget
-        self._metrics = metrics
-        self._tracker = tracker
-        self._raw = raw
-        self._on_success = on_success
+        self._metrics = serving.metrics
         self._max_bytes = max_message_bytes
-        self._streamer = EngineStreamer(engine)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._requests: set[asyncio.Task[None]] = set()
@@ -132,7 +114,7 @@ class TcpRequestPlane:
     def _refusal(self, frame: RequestFrame) -> str:
         if frame.path != self.endpoint_path:
             return f"{UNAVAILABLE_PREFIX}unknown endpoint {frame.path}"
-        if not self._tracker.accepting:
+        if not self.serving.tracker.accepting:
             return DRAINING
         return ""
 
@@ -149,34 +131,31 @@ class TcpRequestPlane:
             logger.error("cannot serve a request from the frontend: %s", exc)
             return
         metrics = self._metrics
-        started = time.perf_counter()
         context = Context(control.request_id, metadata=control.metadata)
-        record = self._tracker.begin(context)
-        metrics.requests.inc()
-        metrics.inflight.inc()
-        metrics.request_bytes.inc(len(frame.payload))
         stream: ResponseStream | None = None
-        try:
+        with self.serving.admitted(context) as record:
+            metrics.request_bytes.inc(len(frame.payload))
             try:
-                stream = await ResponseStream.open(control, context)
-            except (OSError, TimeoutError, ControlError) as exc:
-                metrics.count_error("cannot_connect")
-                logger.warning(
-                    "request %s: cannot call home to %s: %s", context.id(), control.address, exc
-                )
-                context.kill("client")
-                return
-            await self._respond(stream, body, control, context, record)
-        except asyncio.CancelledError:
-            if stream is not None:
-                stream.abort()
-            raise
-        finally:
-            self._tracker.end(record)
-            metrics.inflight.dec()
-            metrics.request_duration.observe(time.perf_counter() - started)
-            if stream is not None:
-                metrics.response_bytes.inc(stream.sent_bytes)
+                try:
+                    stream = await ResponseStream.open(control, context)
+                except (OSError, TimeoutError, ControlError) as exc:
+                    metrics.count_error("cannot_connect")
+                    logger.warning(
+                        "request %s: cannot call home to %s: %s",
+                        context.id(),
+                        control.address,
+                        exc,
+                    )
+                    context.kill("client")
+                    return
+                await self._respond(stream, body, control, context, record)
+            except asyncio.CancelledError:
+                if stream is not None:
+                    stream.abort()
+                raise
+            finally:
+                if stream is not None:
+                    metrics.response_bytes.inc(stream.sent_bytes)
         # Outside the in-flight record: the request is done, only the socket lingers.
         if stream is not None:
             await stream.close()
@@ -191,7 +170,7 @@ class TcpRequestPlane:
     ) -> None:
         try:
             request = decode_payload(body, control.codec)
-            engine_request = request if self._raw else self._engine_request(request)
+            engine_request = request if self.serving.raw else self._engine_request(request)
         except (msgspec.DecodeError, RequestError) as exc:
             self._metrics.count_error("invalid_argument")
             message = f"request body is not valid {control.codec}: {exc}"
@@ -200,11 +179,12 @@ class TcpRequestPlane:
             await stream.send(messages.error_item(message, messages.INVALID_ARGUMENT))
             await stream.finish()
             return
-        self._streamer.watch(context)
-        to_item = messages.raw_item if self._raw else messages.output_item
+        serving = self.serving
+        serving.streamer.watch(context)
+        to_item = messages.raw_item if serving.raw else messages.output_item
         completed = False
         try:
-            chunks = self._streamer.stream(engine_request, context, record, raw=self._raw)
+            chunks = serving.streamer.stream(engine_request, context, record, raw=serving.raw)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if not await stream.send(to_item(chunk)):
@@ -215,15 +195,13 @@ class TcpRequestPlane:
             self._metrics.count_error("invalid_argument")
             await stream.send(messages.error_item(str(exc), messages.INVALID_ARGUMENT))
         except Exception as exc:
-            kind = "stream_incomplete" if isinstance(exc, StreamIncomplete) else "internal"
-            self._metrics.count_error(kind)
-            logger.error("request %s failed in the engine: %s", context.id(), exc, exc_info=exc)
+            serving.engine_failed(exc, context.id())
             await stream.send(messages.error_item(f"engine error: {exc}"))
         if stream.cancelled:
             self._metrics.cancellations.inc()
         await stream.finish()
-        if completed and not stream.cancelled and self._on_success is not None:
-            self._on_success()
+        if completed and not stream.cancelled:
+            serving.succeeded()
 
     def _engine_request(self, request: Any) -> dict[str, Any]:
         """Upstream's PreprocessedRequest as our engine's GenerateRequest: the same fields,
@@ -236,18 +214,4 @@ class TcpRequestPlane:
             raise RequestError("'token_ids' must be an array of integers", param="token_ids")
         routing = request.get("routing")
         lora = routing.get("lora_name") if isinstance(routing, dict) else None
-        adapter = self.models.resolve(lora or request.get("model"))
-        engine_request = dict(request)
-        engine_request["model"] = adapter or self.models.base
-        conditions = request.get("stop_conditions")
-        conditions = dict(conditions) if isinstance(conditions, dict) else {}
-        try:
-            max_tokens = enforce_token_budget(
-                self.budget, len(token_ids), conditions.get("max_tokens")
-            )
-        except TokenBudgetExceeded as exc:
-            raise RequestError(str(exc), param="max_tokens") from None
-        if max_tokens is not None and max_tokens != conditions.get("max_tokens"):
-            conditions["max_tokens"] = max_tokens
-            engine_request["stop_conditions"] = conditions
-        return engine_request
+        return self.serving.token_request(request, token_ids, lora or request.get("model"))

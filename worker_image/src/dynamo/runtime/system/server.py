@@ -28,11 +28,11 @@ from typing import Any
 
 from aiohttp import web
 
-from dynamo.runtime.admin import EngineRoutes
 from dynamo.runtime.card_files import ROUTE_PREFIX, CardFileKey
 from dynamo.runtime.health import HealthState
-from dynamo.runtime.loras import LoraRoutes
 from dynamo.runtime.metrics import RuntimeMetrics
+from dynamo.runtime.system.admin import EngineRoutes
+from dynamo.runtime.system.loras import LoraRoutes
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """`/v1/loras` on the system server: LoRA management forwarded to the engine's updates.
 
 * `POST /v1/loras` `{"lora_name": str, "source": {"uri": str[, "sha256": str]}}` -> `load_lora`
+  (a body upstream's `Json` extractor refuses gets its 415, 400 or 422 first: `json_body`)
 * `DELETE /v1/loras/{name}` (the name may contain `/`) -> `unload_lora`
 * `GET /v1/loras` -> `list_loras`
 
@@ -19,9 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
-from dynamo.runtime.admin import EngineRoutes
+from dynamo.runtime.system import json_body
+from dynamo.runtime.system.admin import EngineRoutes
 
 logger = logging.getLogger(__name__)
+
+# Upstream's `LoadLoraRequest { lora_name: String, source: LoraSource { uri: String } }`.
+LOAD_LORA_REQUEST = json_body.Struct(
+    "LoadLoraRequest",
+    (("lora_name", None), ("source", json_body.Struct("LoraSource", (("uri", None),)))),
+)
 
 _RESPONSE_FIELDS = ("status", "message", "lora_name", "lora_id", "loras", "count")
 _EXTRA_FIELDS = ("reason", "hot_swap")
@@ -50,14 +58,13 @@ class LoraRoutes:
         app.router.add_delete("/v1/loras/{lora_name:.+}", self.unload_lora)
 
     async def load_lora(self, request: web.Request) -> web.Response:
-        """POST /v1/loras."""
+        """POST /v1/loras; a body upstream's JSON extractor refuses is answered as it does
+        (415, 400 or 422, plain text) before any engine is asked."""
         raw = await request.read()
         try:
-            body = json.loads(raw) if raw else None
-        except json.JSONDecodeError as exc:
-            return _response(
-                {"status": "error", "message": f"request body is not valid JSON: {exc}"}, 400
-            )
+            body = json_body.extract(request.headers.get("Content-Type"), raw, LOAD_LORA_REQUEST)
+        except json_body.Rejection as exc:
+            return web.Response(text=exc.text, status=exc.status)
         return await self._forward("load_lora", body, errors_are_500=True)
 
     async def unload_lora(self, request: web.Request) -> web.Response:

@@ -13,7 +13,8 @@ import os
 import socket
 from typing import Any
 
-from dynamo.common.backend import EngineConfig, WorkerConfig
+from dynamo.common.backend.engine import EngineConfig
+from dynamo.common.backend.worker_config import WorkerConfig
 from dynamo.common.constants import DisaggregationMode
 from dynamo.runtime.discovery.base import (
     AdapterCard,

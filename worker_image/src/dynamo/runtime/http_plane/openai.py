@@ -15,14 +15,7 @@ from typing import Any
 
 import msgspec
 
-
-class RequestError(ValueError):
-    """A bad request: HTTP `status` with an OpenAI-style error body."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
+from dynamo.runtime.errors import RequestError
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -8,14 +8,14 @@ Routes:
   with `"stream": true`, using the engine's `tokenizer` (and its chat template).
 * `GET /v1/models`: the base model and the loaded adapters.
 
-Streamed output is written through `dynamo.runtime.coalesce`: the engine runs in a task of
-its own and chunks that come out close together share one write.
+Streamed output is written through `dynamo.runtime.http_plane.coalesce`: the engine runs in a
+task of its own and chunks that come out close together share one write.
 
 `model` picks the base model or an adapter. The token budget is enforced before the engine
 sees a request. A client that disconnects cancels its handler, which kills the request's
 context and so aborts it in the engine. While the worker drains, new requests get 503 with
-`Retry-After`. The transport is kept apart from the serving logic (`EngineStreamer`,
-`InflightTracker`) so another request plane (upstream's TCP one) can reuse them.
+`Retry-After`. The transport is kept apart from the serving logic: both request planes are
+given the same `dynamo.runtime.serving.Serving` (engine, models, metrics, tracker, budget).
 """
 
 from __future__ import annotations
@@ -23,29 +23,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from dynamo.common.backend import BaseEngine
-from dynamo.common.token_budget import TokenBudget
-from dynamo.runtime import openai
-from dynamo.runtime.budget import TokenBudgetExceeded, enforce_token_budget
-from dynamo.runtime.coalesce import FLUSH_INTERVAL_SECS, OutputBuffer, write_coalesced
 from dynamo.runtime.context import Context
-from dynamo.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
-from dynamo.runtime.generation import EngineStreamer, StreamIncomplete
-from dynamo.runtime.inflight import InflightRequest, InflightTracker
-from dynamo.runtime.metrics import RuntimeMetrics
-from dynamo.runtime.models import ServedModels
-from dynamo.runtime.openai import RequestError
+from dynamo.runtime.errors import RequestError
+from dynamo.runtime.http_plane import openai
+from dynamo.runtime.http_plane.coalesce import FLUSH_INTERVAL_SECS, OutputBuffer, write_coalesced
+from dynamo.runtime.http_plane.detokenize import IncrementalDetokenizer, StopStringFilter
+from dynamo.runtime.inflight import InflightRequest
+from dynamo.runtime.serving import Serving
 from dynamo.runtime.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECS = "1"
 _json = msgspec.json.Encoder()
@@ -61,30 +52,11 @@ def _sse(event: dict[str, Any]) -> bytes:
 class RequestPlane:
     """Serves one engine's requests over HTTP (see the module docstring)."""
 
-    def __init__(
-        self,
-        engine: BaseEngine,
-        *,
-        models: ServedModels,
-        metrics: RuntimeMetrics,
-        tracker: InflightTracker,
-        budget: TokenBudget | None = None,
-        raw: bool = False,
-        on_success: Callable[[], None] | None = None,
-        flush_interval: float = FLUSH_INTERVAL_SECS,
-    ) -> None:
-        """`on_success` is called after each request that produced output without error
-        (the canary uses it to know the engine works). `flush_interval`: the least time
-        between two writes of one streamed response while chunks keep coming (see
-        `dynamo.runtime.coalesce`)."""
-        self._engine = engine
-        self.models = models
-        self._metrics = metrics
-        self._tracker = tracker
-        self.budget = budget
-        self._raw = raw
-        self._on_success = on_success
-        self._streamer = EngineStreamer(engine)
+    def __init__(self, serving: Serving, *, flush_interval: float = FLUSH_INTERVAL_SECS) -> None:
+        """`flush_interval`: the least time between two writes of one streamed response
+        while chunks keep coming (see `dynamo.runtime.http_plane.coalesce`)."""
+        self.serving = serving
+        self._metrics = serving.metrics
         self._flush_interval = flush_interval
         self._runner: web.AppRunner | None = None
 
@@ -126,39 +98,33 @@ class RequestPlane:
         return serve
 
     async def _serve(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not self._tracker.accepting:
+        serving = self.serving
+        if not serving.tracker.accepting:
             self._metrics.count_error("unavailable")
             return self._unavailable()
-        started = time.perf_counter()
         metrics = self._metrics
         context = Context(request.headers.get("x-request-id"))
-        record = self._tracker.begin(context)
-        metrics.requests.inc()
-        metrics.inflight.inc()
-        try:
-            raw_body = await request.read()
-            metrics.request_bytes.inc(len(raw_body))
+        with serving.admitted(context) as record:
             try:
-                body = msgspec.json.decode(raw_body) if raw_body else None
-            except msgspec.DecodeError as exc:
-                raise RequestError(f"request body is not valid JSON: {exc}") from None
-            self._streamer.watch(context)
-            return await handler(request, body, context, record)
-        except RequestError as exc:
-            metrics.count_error("not_found" if exc.status == 404 else "invalid_argument")
-            return self._json(openai.error_body(str(exc), exc.status, exc.param), exc.status)
-        except asyncio.CancelledError:
-            if record.forced:
+                raw_body = await request.read()
+                metrics.request_bytes.inc(len(raw_body))
+                try:
+                    body = msgspec.json.decode(raw_body) if raw_body else None
+                except msgspec.DecodeError as exc:
+                    raise RequestError(f"request body is not valid JSON: {exc}") from None
+                serving.streamer.watch(context)
+                return await handler(request, body, context, record)
+            except RequestError as exc:
+                metrics.count_error("not_found" if exc.status == 404 else "invalid_argument")
+                return self._json(openai.error_body(str(exc), exc.status, exc.param), exc.status)
+            except asyncio.CancelledError:
+                if record.forced:
+                    raise
+                context.kill("client")
+                metrics.cancellations.inc()
                 raise
-            context.kill("client")
-            metrics.cancellations.inc()
-            raise
-        except Exception as exc:
-            return self._json({"error": self._stream_error(exc)}, 500)
-        finally:
-            self._tracker.end(record)
-            metrics.inflight.dec()
-            metrics.request_duration.observe(time.perf_counter() - started)
+            except Exception as exc:
+                return self._json({"error": self._stream_error(exc, context)}, 500)
 
     def _json(self, body: Any, status: int = 200) -> web.Response:
         data = _json.encode(body)
@@ -175,8 +141,8 @@ class RequestPlane:
         return response
 
     def _tokenizer(self) -> Tokenizer:
-        tokenizer = getattr(self._engine, "tokenizer", None)
-        if tokenizer is None or self._raw:
+        tokenizer = getattr(self.serving.engine, "tokenizer", None)
+        if tokenizer is None or self.serving.raw:
             raise RequestError(
                 "this engine serves no text routes (it exposes no tokenizer); use /v1/generate",
                 status=404,
@@ -186,11 +152,12 @@ class RequestPlane:
     def _engine_request(
         self, token_ids: list[int], body: dict[str, Any], *, max_tokens: int | None
     ) -> dict[str, Any]:
-        adapter = self.models.resolve(body.get("model"))
-        max_tokens = self._check_budget(len(token_ids), max_tokens)
+        models = self.serving.models
+        adapter = models.resolve(body.get("model"))
+        max_tokens = self.serving.check_budget(len(token_ids), max_tokens)
         request: dict[str, Any] = {
             "token_ids": token_ids,
-            "model": adapter or self.models.base,
+            "model": adapter or models.base,
             "sampling_options": openai.sampling_options(body),
             "stop_conditions": openai.stop_conditions(body, max_tokens),
         }
@@ -198,17 +165,11 @@ class RequestPlane:
             request["routing"] = {"lora_name": adapter}
         return request
 
-    def _check_budget(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
-        try:
-            return enforce_token_budget(self.budget, prompt_tokens, max_tokens)
-        except TokenBudgetExceeded as exc:
-            raise RequestError(str(exc), param="max_tokens") from None
-
     # ----- /v1/models --------------------------------------------------------------------
 
     async def _list_models(self, request: web.Request) -> web.Response:
         del request
-        return self._json(self.models.listing())
+        return self._json(self.serving.models.listing())
 
     # ----- /v1/generate ------------------------------------------------------------------
 
@@ -218,19 +179,13 @@ class RequestPlane:
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object (a GenerateRequest)")
         engine_request = dict(body)
-        if not self._raw:
+        if not self.serving.raw:
             token_ids = body.get("token_ids")
             if not isinstance(token_ids, list) or not all(
                 isinstance(token, int) and not isinstance(token, bool) for token in token_ids
             ):
                 raise RequestError("'token_ids' must be an array of integers", param="token_ids")
-            adapter = self.models.resolve(body.get("model"))
-            engine_request["model"] = adapter or self.models.base
-            conditions = dict(body.get("stop_conditions") or {})
-            max_tokens = self._check_budget(len(token_ids), conditions.get("max_tokens"))
-            if max_tokens is not None:
-                conditions["max_tokens"] = max_tokens
-                engine_request["stop_conditions"] = conditions
+            engine_request = self.serving.token_request(body, token_ids, body.get("model"))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         buffer = OutputBuffer()
@@ -247,7 +202,7 @@ class RequestPlane:
         """Encode the engine's chunks as NDJSON lines into `buffer`; False after an error
         (which becomes the last line)."""
         encode_into = _json.encode_into
-        chunks = self._streamer.stream(engine_request, context, record, raw=self._raw)
+        chunks = self.serving.streamer.stream(engine_request, context, record, raw=self.serving.raw)
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
@@ -260,7 +215,7 @@ class RequestPlane:
             return True
         except Exception as exc:
             data = buffer.data
-            encode_into({"error": self._stream_error(exc)}, data, -1)
+            encode_into({"error": self._stream_error(exc, context)}, data, -1)
             data += b"\n"
             buffer.added()
             return False
@@ -282,7 +237,7 @@ class RequestPlane:
             if await write_coalesced(
                 response, buffer, produce, record, count, flush_interval=self._flush_interval
             ):
-                self._succeeded()
+                self.serving.succeeded()
         finally:
             self._metrics.response_bytes.inc(sent)
         return response
@@ -333,7 +288,7 @@ class RequestPlane:
         engine_request = self._engine_request(
             token_ids, body, max_tokens=openai.max_tokens_of(body, chat=chat)
         )
-        model = body.get("model") or self.models.base
+        model = body.get("model") or self.serving.models.base
         stops = openai.stop_strings(body)
         events = self._text_events(engine_request, context, record, tokenizer, stops)
         response_id = openai.new_id("chatcmpl" if chat else "cmpl")
@@ -358,7 +313,7 @@ class RequestPlane:
             finish = reason or finish
         usage = openai.usage(len(token_ids), events_usage(events))
         build = openai.chat_response if chat else openai.completion_response
-        self._succeeded()
+        self.serving.succeeded()
         return self._json(build(response_id, created, model, "".join(text_parts), finish, usage))
 
     async def _stream_text(
@@ -387,7 +342,7 @@ class RequestPlane:
             usage_chunk = functools.partial(
                 openai.usage_chunk, response_id, created, model, chat=chat
             )
-        produce = self._produce_sse(events, template, buffer, usage_chunk)
+        produce = self._produce_sse(events, template, buffer, usage_chunk, record.context)
         return await self._write_stream(response, buffer, produce, record)
 
     async def _produce_sse(
@@ -396,6 +351,7 @@ class RequestPlane:
         template: openai.ChunkTemplate,
         buffer: OutputBuffer,
         usage_chunk: Callable[..., dict[str, Any]] | None,
+        context: Context,
     ) -> bool:
         """Encode the text events as SSE into `buffer`, then the usage event (if asked for)
         and `[DONE]`; False after an error (which becomes an `error` event)."""
@@ -417,7 +373,7 @@ class RequestPlane:
             buffer.added()
             return True
         except Exception as exc:
-            buffer.data += b"event: error\n" + _sse({"error": self._stream_error(exc)})
+            buffer.data += b"event: error\n" + _sse({"error": self._stream_error(exc, context)})
             buffer.added()
             return False
 
@@ -429,21 +385,15 @@ class RequestPlane:
         tokenizer: Tokenizer,
         stops: list[str],
     ) -> TextEvents:
-        chunks = self._streamer.stream(engine_request, context, record, raw=False)
+        chunks = self.serving.streamer.stream(engine_request, context, record, raw=False)
         return TextEvents(chunks, context, tokenizer, stops, len(engine_request["token_ids"]))
 
-    def _stream_error(self, exc: Exception) -> dict[str, Any]:
+    def _stream_error(self, exc: Exception, context: Context) -> dict[str, Any]:
         if isinstance(exc, RequestError):
             self._metrics.count_error("invalid_argument")
             return openai.error_body(str(exc), exc.status, exc.param)["error"]
-        kind = "stream_incomplete" if isinstance(exc, StreamIncomplete) else "internal"
-        self._metrics.count_error(kind)
-        logger.error("request failed in the engine: %s", exc, exc_info=exc)
+        self.serving.engine_failed(exc, context.id())
         return openai.error_body(f"engine error: {exc}", 500)["error"]
-
-    def _succeeded(self) -> None:
-        if self._on_success is not None:
-            self._on_success()
 
 
 class TextEvents:

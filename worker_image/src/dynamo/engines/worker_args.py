@@ -1,0 +1,93 @@
+"""The flags every engine shares, and the `WorkerConfig` an engine's `from_args` returns.
+
+`dynamo-worker` passes an engine `--model`, `--served-model-name`, `--max-loras` and the
+data-parallel flags when they are given; every engine also takes `--namespace`,
+`--component` and `--endpoint`. The engine adds its own flags (and `--model`, whose meaning
+is the engine's) to the same parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from dynamo.common.backend.worker_config import WorkerConfig
+from dynamo.common.utils.namespace import get_worker_namespace
+from dynamo.runtime.settings import request_plane_from_env
+
+DEFAULT_MAX_LORAS = 4
+
+Settings = TypeVar("Settings")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Add the shared flags to an engine's parser."""
+    add = parser.add_argument
+    add(
+        "--served-model-name",
+        default=None,
+        help="name clients use for the base model (default: the --model value)",
+    )
+    add(
+        "--max-loras",
+        type=int,
+        default=DEFAULT_MAX_LORAS,
+        help=f"adapters loaded at once (default {DEFAULT_MAX_LORAS})",
+    )
+    add(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks served by this engine (default 1)",
+    )
+    add(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="global rank of this engine's first data-parallel rank (default 0)",
+    )
+    add("--namespace", default=None, help="Dynamo namespace (default $DYN_NAMESPACE or dynamo)")
+    add("--component", default="backend", help="component name (default backend)")
+    add("--endpoint", default="generate", help="endpoint name (default generate)")
+
+
+def worker_config(ns: argparse.Namespace) -> WorkerConfig:
+    """The `WorkerConfig` for parsed flags; discovery and request plane from the
+    environment (`DYN_DISCOVERY_BACKEND`, default mem; `DYN_REQUEST_PLANE`)."""
+    return WorkerConfig(
+        namespace=get_worker_namespace(ns.namespace),
+        component=ns.component,
+        endpoint=ns.endpoint,
+        model_name=ns.model,
+        served_model_name=ns.served_model_name,
+        discovery_backend=os.environ.get("DYN_DISCOVERY_BACKEND") or "mem",
+        request_plane=request_plane_from_env(os.environ),
+    )
+
+
+def check_minimums(settings: object, minimums: Mapping[str, int]) -> None:
+    """ValueError naming the field and its flag for the first setting below its minimum
+    (None means unset and passes)."""
+    for name, minimum in minimums.items():
+        value = getattr(settings, name)
+        if value is not None and value < minimum:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name} ({flag}) must be >= {minimum}, got {value}")
+
+
+def settings_from(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, settings_cls: type[Settings]
+) -> Settings:
+    """An engine's settings dataclass (one field per flag) from parsed flags; a value the
+    dataclass refuses is a usage error (`parser.error`, exit 2)."""
+    assert dataclasses.is_dataclass(settings_cls)
+    values: dict[str, Any] = {
+        field.name: getattr(ns, field.name) for field in dataclasses.fields(settings_cls)
+    }
+    try:
+        return settings_cls(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
