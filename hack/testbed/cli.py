@@ -16,7 +16,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import daemons, network
-from .controlplane import components, kwok_stages
+from .controlplane import Component, components, kubelet_api, kwok_stages
 from .layout import (
     GPUS_PER_NODE,
     HACK_DIR,
@@ -31,11 +31,13 @@ from .layout import (
 from .pki import ensure_pki, write_admin_kubeconfig
 
 AGENT = "process-node"
+KUBELET_API = "kubelet-api"
 PROXY = "service-proxy"
 # Stop order: the process node first (it stops its pods, which may use Services until they
-# exit), the service proxy, then the control plane top-down.
+# exit), its kubelet API, the service proxy, then the control plane top-down.
 STOP_ORDER = [
     AGENT,
+    KUBELET_API,
     PROXY,
     "kwok",
     "kube-scheduler",
@@ -50,14 +52,28 @@ def say(message: str) -> None:
     print(f"[cluster {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def resolve_bin_dir() -> Path:
-    """Binaries from $DYNAMO_K8S_BIN_DIR, the cache, or a build (hack/build-binaries)."""
+def _built(script: str) -> Path:
+    """The path a build script prints last (it builds only what its cache lacks)."""
     result = subprocess.run(
-        [str(HACK_DIR / "build-binaries")], stdout=subprocess.PIPE, text=True, check=False
+        [str(HACK_DIR / script)], stdout=subprocess.PIPE, text=True, check=False
     )
     if result.returncode != 0:
-        raise SystemExit("hack/build-binaries failed (see its output above)")
+        raise SystemExit(f"hack/{script} failed (see its output above)")
     return Path(result.stdout.strip().splitlines()[-1])
+
+
+def resolve_bin_dir() -> Path:
+    """Binaries from $DYNAMO_K8S_BIN_DIR, the cache, or a build (hack/build-binaries)."""
+    return _built("build-binaries")
+
+
+def _start(layout: Layout, component: Component) -> None:
+    say(f"starting {component.name}")
+    daemons.start(layout, component.name, component.argv)
+    if not daemons.wait_for(component.ready, READY_TIMEOUT.get(component.name, 60), 0.2):
+        raise SystemExit(
+            f"{component.name} did not become ready; see {layout.logs / component.name}.log"
+        )
 
 
 def kwok_node(index: int) -> Any:  # a plain dict; the client accepts dicts as bodies
@@ -160,21 +176,19 @@ def up(layout: Layout, ports: Ports) -> None:
         print_env(layout)
         return
     bin_dir = resolve_bin_dir()
+    kubelet_api_binary = _built("build-kubelet-api")
     layout.ensure()
     layout.bin_dir_file.write_text(str(bin_dir))
     ensure_pki(layout.pki)
     write_admin_kubeconfig(layout.pki, server_url(ports), layout.kubeconfig)
+    network.ensure_nftables()
     network.setup_host()
     gomodcache = Path(os.environ.get("DYNAMO_TESTBED_CACHE", Path.home() / ".cache/dynamo-testbed"))
     stages = kwok_stages(bin_dir, gomodcache / "gomod")
     for component in components(layout, ports, bin_dir, stages):
-        say(f"starting {component.name}")
-        daemons.start(layout, component.name, component.argv)
-        if not daemons.wait_for(component.ready, READY_TIMEOUT.get(component.name, 60), 0.2):
-            raise SystemExit(
-                f"{component.name} did not become ready; see {layout.logs / component.name}.log"
-            )
+        _start(layout, component)
     _start_service_proxy(layout)
+    _start(layout, kubelet_api(layout, ports, kubelet_api_binary))
     say("starting the process node")
     daemons.start(
         layout,

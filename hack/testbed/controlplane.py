@@ -1,5 +1,6 @@
 """The control-plane components and how to start them: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler and KWOK, each a daemon with a readiness check."""
+kube-controller-manager, kube-scheduler and KWOK, plus the process node's kubelet API, each a
+daemon with a readiness check."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .layout import GATEWAY_IP, SERVICE_CIDR, Layout, Ports, read_versions, server_url
+from .pki import KUBELET_CLIENT_USER
 
 # The KWOK stages we run: nodes become Ready and heartbeat through their Lease; pods become
 # Running/Ready at once, Job pods complete, deleted pods are finalized.
@@ -123,6 +125,13 @@ def components(layout: Layout, ports: Ports, bin_dir: Path, stages: Path) -> lis
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--allow-privileged=true",
+                # Towards the process node's kubelet API (logs, exec, attach, port-forward):
+                # at its InternalIP, a serving certificate from the test bed's CA, and our own
+                # kubelet client certificate.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
+                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
                 "--profiling=false",
                 "--v=1",
             ],
@@ -168,3 +177,26 @@ def components(layout: Layout, ports: Ports, bin_dir: Path, stages: Path) -> lis
             lambda: _get_ok(f"http://127.0.0.1:{ports.kwok}/healthz", None),
         ),
     ]
+
+
+def kubelet_api(layout: Layout, ports: Ports, binary: Path) -> Component:
+    """The process node's kubelet API (hack/testbed/kubelet), ready once it answers the API
+    server's kubelet client certificate."""
+    pki = layout.pki
+    as_apiserver = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    as_apiserver.load_cert_chain(
+        str(pki / "apiserver-kubelet-client.crt"), str(pki / "apiserver-kubelet-client.key")
+    )
+    return Component(
+        "kubelet-api",
+        [
+            str(binary),
+            f"--listen={GATEWAY_IP}:{ports.kubelet}",
+            f"--tls-cert-file={pki / 'kubelet.crt'}",
+            f"--tls-private-key-file={pki / 'kubelet.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--allowed-user={KUBELET_CLIENT_USER}",
+            f"--pods-dir={layout.pods}",
+        ],
+        lambda: _get_ok(f"https://{GATEWAY_IP}:{ports.kubelet}/healthz", as_apiserver),
+    )

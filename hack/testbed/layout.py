@@ -33,6 +33,7 @@ GPUS_PER_NODE = 8
 # Names the network code creates, so `down` can find and remove exactly its own things.
 NETNS_PREFIX = "dtb-"
 VETH_PREFIX = "dtb"
+NFT_TABLE = "dtb_netpol"  # NetworkPolicy enforcement (an `ip` family table)
 
 
 def read_versions() -> dict[str, str]:
@@ -48,7 +49,8 @@ def read_versions() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Ports:
-    """Ports of the control plane. The API server listens on the gateway address; the rest on
+    """Ports of the control plane and the process node's kubelet API. The API server and the
+    kubelet API listen on the gateway address (the process node's InternalIP); the rest on
     loopback."""
 
     etcd_client: int = 12379
@@ -57,6 +59,7 @@ class Ports:
     controller_manager: int = 20257
     scheduler: int = 20259
     kwok: int = 20247
+    kubelet: int = 20250
 
 
 @dataclass(frozen=True)

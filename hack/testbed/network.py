@@ -1,16 +1,26 @@
 """The test bed's pod network on this machine: a gateway address on the host, an unreachable
 route for the guarded range, and one network namespace + veth pair per process-node pod (what
-a CNI plugin would do), plus the Service addresses the service proxy puts on `lo`. Everything
-it creates carries a `dtb` prefix or lies in the guarded range, so `down` can remove exactly
+a CNI plugin would do), plus the Service addresses the service proxy puts on `lo` and the
+nftables table that enforces NetworkPolicy (hack/testbed/policy_agent.py). Everything it
+creates carries a `dtb` prefix or lies in the guarded range, so `down` can remove exactly
 that and nothing else."""
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
+import shutil
 import subprocess
 
-from .layout import GATEWAY_IP, GUARDED_RANGE, NETNS_PREFIX, SERVICE_CIDR, VETH_PREFIX
+from .layout import (
+    GATEWAY_IP,
+    GUARDED_RANGE,
+    NETNS_PREFIX,
+    NFT_TABLE,
+    SERVICE_CIDR,
+    VETH_PREFIX,
+)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -28,6 +38,36 @@ def _lo_addresses() -> list[str]:
     out = _ip("-4", "-o", "addr", "show", "dev", "lo", check=False).stdout
     # Each line reads `1: lo    inet 198.19.0.10/32 scope global lo ...`.
     return [line.split()[3].split("/")[0] for line in out.splitlines() if " inet " in line]
+
+
+def ensure_nftables() -> None:
+    """Install `nft` (Debian's nftables) when it is missing, as on a fresh CI machine:
+    NetworkPolicy enforcement needs it."""
+    if shutil.which("nft"):
+        return
+    if not shutil.which("apt-get"):
+        raise SystemExit("NetworkPolicy enforcement needs `nft`: install the nftables package")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "nftables"]
+    if subprocess.run(install, env=env, capture_output=True, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
+        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise SystemExit(f"`apt-get install nftables` failed:\n{result.stderr[-2000:]}")
+
+
+def nft_tables() -> list[str]:
+    """The test bed's nftables tables that exist now (`ip dtb_netpol` while policies apply)."""
+    if not shutil.which("nft"):
+        return []
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False)
+    tables = [line.split(maxsplit=1)[1] for line in out.stdout.splitlines() if line.strip()]
+    return [t for t in tables if t.split()[-1] == NFT_TABLE]
+
+
+def delete_nft_tables() -> None:
+    for table in nft_tables():
+        subprocess.run(["nft", "delete", "table", *table.split()], capture_output=True, check=False)
 
 
 def setup_host() -> None:
@@ -64,7 +104,7 @@ def netns_name(pod_uid: str) -> str:
     return NETNS_PREFIX + pod_uid[:8]
 
 
-def _veth_name(pod_uid: str) -> str:
+def veth_name(pod_uid: str) -> str:
     # Interface names are limited to 15 bytes; a digest keeps them unique and short.
     return VETH_PREFIX + hashlib.sha1(pod_uid.encode()).hexdigest()[:10]
 
@@ -74,7 +114,7 @@ def create_pod_network(pod_uid: str, pod_ip: str) -> str:
 
     Returns the namespace name. Idempotent: an existing namespace is recreated.
     """
-    ns, veth = netns_name(pod_uid), _veth_name(pod_uid)
+    ns, veth = netns_name(pod_uid), veth_name(pod_uid)
     delete_pod_network(pod_uid, pod_ip)
     _ip("netns", "add", ns)
     _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -97,7 +137,7 @@ def delete_pod_network(pod_uid: str, pod_ip: str | None) -> None:
     """Remove the pod's namespace, veth and route (whatever of them exists)."""
     if pod_ip:
         _ip("route", "del", f"{pod_ip}/32", check=False)
-    _ip("link", "del", _veth_name(pod_uid), check=False)
+    _ip("link", "del", veth_name(pod_uid), check=False)
     _ip("netns", "del", netns_name(pod_uid), check=False)
 
 
@@ -126,13 +166,14 @@ def leftovers() -> list[str]:
     if GATEWAY_IP in lo:
         found.append(f"address {GATEWAY_IP} on lo")
     found.extend(f"address {ip} on lo" for ip in service_addresses())
+    found.extend(f"nftables table {table}" for table in nft_tables())
     return found
 
 
 def teardown_host() -> None:
-    """Remove every namespace, veth, route and address the test bed made (Service addresses a
-    killed service proxy left on `lo` among them), killing what still runs inside its
-    namespaces."""
+    """Remove every namespace, veth, route, address and nftables table the test bed made
+    (Service addresses a killed service proxy left on `lo` among them), killing what still
+    runs inside its namespaces."""
     for ns in namespaces():
         pids = _ip("netns", "pids", ns, check=False).stdout.split()
         for pid in pids:
@@ -147,3 +188,4 @@ def teardown_host() -> None:
     for cluster_ip in service_addresses():
         delete_service_address(cluster_ip)
     _ip("addr", "del", f"{GATEWAY_IP}/32", "dev", "lo", check=False)
+    delete_nft_tables()

@@ -1,5 +1,6 @@
 """The test bed's certificates and keys: one CA, the API server's serving certificate, an
-admin client certificate, and the service-account signing pair. Made once per state dir."""
+admin client certificate, the API server's kubelet client certificate, the process node's
+kubelet serving certificate, and the service-account signing pair. Made once per state dir."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .layout import GATEWAY_IP, SERVICE_FIRST_IP
+from .layout import GATEWAY_IP, PROCESS_NODE_NAME, SERVICE_FIRST_IP
 
 _VALIDITY = dt.timedelta(days=365)
 _API_DNS_NAMES = [
@@ -24,6 +25,7 @@ _API_DNS_NAMES = [
     "kubernetes.default.svc.cluster.local",
 ]
 _API_IPS = ["127.0.0.1", GATEWAY_IP, SERVICE_FIRST_IP]
+KUBELET_CLIENT_USER = "kube-apiserver-kubelet-client"
 
 
 def _new_key() -> ec.EllipticCurvePrivateKey:
@@ -58,8 +60,9 @@ def _issue(
     ca_cert: x509.Certificate,
     ca_key: ec.EllipticCurvePrivateKey,
     *,
-    server: bool,
+    serves: tuple[list[str], list[str]] | None,
 ) -> x509.Certificate:
+    """A leaf certificate: a server's for `serves` = (DNS names, IPs), else a client's."""
     now = dt.datetime.now(dt.UTC)
     builder = (
         x509.CertificateBuilder()
@@ -71,9 +74,10 @@ def _issue(
         .not_valid_after(now + _VALIDITY)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
-    if server:
-        sans: list[x509.GeneralName] = [x509.DNSName(n) for n in _API_DNS_NAMES]
-        sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in _API_IPS]
+    if serves:
+        dns_names, ips = serves
+        sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+        sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         usage = [ExtendedKeyUsageOID.SERVER_AUTH]
     else:
@@ -82,11 +86,7 @@ def _issue(
     return builder.sign(ca_key, hashes.SHA256())
 
 
-def ensure_pki(pki: Path) -> None:
-    """Create the CA, serving and client certificates and the SA key pair, unless present."""
-    if (pki / "sa.pub").exists():
-        return
-    pki.mkdir(parents=True, exist_ok=True)
+def _new_ca(pki: Path) -> None:
     now = dt.datetime.now(dt.UTC)
     ca_key = _new_key()
     ca_cert = (
@@ -117,22 +117,44 @@ def ensure_pki(pki: Path) -> None:
     _write_key(ca_key, pki / "ca.key")
     _write_cert(ca_cert, pki / "ca.crt")
 
-    for stem, subject, server in (
-        ("apiserver", _name("kube-apiserver"), True),
+
+def ensure_pki(pki: Path) -> None:
+    """Create the CA, the serving and client certificates and the SA key pair; each only
+    when missing (a state dir from before a certificate was added gets just that one)."""
+    pki.mkdir(parents=True, exist_ok=True)
+    if not (pki / "ca.key").exists():
+        _new_ca(pki)
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise SystemExit(f"{pki / 'ca.key'} is not the test bed's EC key; remove {pki}")
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    leaves: list[tuple[str, x509.Name, tuple[list[str], list[str]] | None]] = [
+        ("apiserver", _name("kube-apiserver"), (_API_DNS_NAMES, _API_IPS)),
         # system:masters: the admin identity used by kubectl, the controllers and the agents.
-        ("admin", _name("testbed-admin", "system:masters"), False),
-    ):
+        ("admin", _name("testbed-admin", "system:masters"), None),
+        # The API server's identity towards kubelets; the process node's kubelet API lets in
+        # this client alone.
+        ("apiserver-kubelet-client", _name(KUBELET_CLIENT_USER), None),
+        (
+            "kubelet",
+            _name(f"system:node:{PROCESS_NODE_NAME}", "system:nodes"),
+            ([PROCESS_NODE_NAME], [GATEWAY_IP]),
+        ),
+    ]
+    for stem, subject, serves in leaves:
+        if (pki / f"{stem}.crt").exists():
+            continue
         key = _new_key()
         _write_key(key, pki / f"{stem}.key")
-        _write_cert(_issue(subject, key, ca_cert, ca_key, server=server), pki / f"{stem}.crt")
-
-    sa_key = _new_key()
-    _write_key(sa_key, pki / "sa.key")
-    (pki / "sa.pub").write_bytes(
-        sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        _write_cert(_issue(subject, key, ca_cert, ca_key, serves=serves), pki / f"{stem}.crt")
+    if not (pki / "sa.pub").exists():
+        sa_key = _new_key()
+        _write_key(sa_key, pki / "sa.key")
+        (pki / "sa.pub").write_bytes(
+            sa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
         )
-    )
 
 
 def _b64(path: Path) -> str:

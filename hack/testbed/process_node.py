@@ -11,6 +11,11 @@ controller writes and this agent never overwrites), and on deletion sends SIGTER
 grace period, SIGKILLs, removes the namespace and finalizes the pod. Images are ignored: a
 container must name its command.
 
+For the kubelet API (hack/testbed/kubelet, a separate server the API server calls for logs,
+exec, attach and port-forward) it keeps each container's output in CRI log files, one per
+run, and publishes each pod's processes in `<pod dir>/kubelet.json`. Its policy agent
+(policy_agent.py) enforces NetworkPolicy on the pods' veths.
+
 Run it as `python -m testbed.process_node` (hack/cluster does).
 """
 
@@ -22,6 +27,7 @@ import base64
 import contextlib
 import datetime as dt
 import ipaddress
+import json
 import logging
 import os
 import shutil
@@ -35,7 +41,7 @@ import aiohttp
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from . import network
+from . import container_logs, network
 from .layout import (
     GATEWAY_IP,
     GPUS_PER_NODE,
@@ -48,6 +54,7 @@ from .layout import (
     Ports,
     read_versions,
 )
+from .policy_agent import PolicyAgent
 
 log = logging.getLogger("process-node")
 
@@ -69,8 +76,10 @@ def _now_micro() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def node_manifest(name: str) -> Any:  # a plain dict; the client accepts dicts as bodies
-    """The Node this agent registers, with the status a kubelet would report."""
+def node_manifest(name: str, kubelet_port: int) -> Any:  # a dict; the client takes dicts
+    """The Node this agent registers, with the status a kubelet would report. The API server
+    reaches the node's kubelet API (hack/testbed/kubelet) at its InternalIP and
+    `daemonEndpoints.kubeletEndpoint.Port`."""
     now = _now()
     capacity = {
         "cpu": "16",
@@ -121,6 +130,7 @@ def node_manifest(name: str) -> Any:  # a plain dict; the client accepts dicts a
                 {"type": "InternalIP", "address": GATEWAY_IP},
                 {"type": "Hostname", "address": name},
             ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
             "nodeInfo": {
                 "architecture": "amd64",
                 "operatingSystem": "linux",
@@ -179,6 +189,15 @@ class Container:
     terminated: dict[str, Any] | None = None
     waiting_reason: str | None = None
     waiting_message: str | None = None
+    # The number of its latest run, which names that run's log file (-1: not run yet).
+    run_number: int = -1
+
+    def log_numbers(self) -> tuple[int, int]:
+        """The log files `kubectl logs` reads without and with --previous, as the kubelet
+        picks them: while waiting to restart, both are the run that exited last."""
+        if self.waiting_reason == "CrashLoopBackOff":
+            return self.run_number, self.run_number
+        return self.run_number, self.run_number - 1
 
 
 @dataclass
@@ -215,11 +234,15 @@ class ProcessNode:
         self.ips = IpPool(PROCESS_NODE_POD_CIDR)
         self.pods: dict[str, PodRun] = {}  # by uid
         self.node_uid = ""
+        self.policy = PolicyAgent(api, node_name, self._local_pods)
+
+    def _local_pods(self) -> dict[str, tuple[str, str]]:
+        return {uid: (network.veth_name(uid), run.pod_ip) for uid, run in self.pods.items()}
 
     # --- node ----------------------------------------------------------------------------
 
     async def register(self) -> None:
-        manifest = node_manifest(self.node_name)
+        manifest = node_manifest(self.node_name, self.ports.kubelet)
         try:
             node = await self.core.create_node(manifest)
         except ApiException as exc:
@@ -236,7 +259,8 @@ class ProcessNode:
         while True:
             await self._renew_lease()
             if asyncio.get_running_loop().time() - last_status >= NODE_STATUS_SECONDS:
-                conditions = node_manifest(self.node_name)["status"]["conditions"]
+                status = node_manifest(self.node_name, self.ports.kubelet)["status"]
+                conditions = status["conditions"]
                 await self.core.patch_node_status(
                     self.node_name, {"status": {"conditions": conditions}}
                 )
@@ -353,6 +377,7 @@ class ProcessNode:
         self.pods[meta.uid] = run
         log.info("pod %s/%s: ip %s netns %s", meta.namespace, meta.name, pod_ip, netns)
         try:
+            await self.policy.sync()
             binds = await self._volumes(raw, run)
             for spec in raw["spec"]["containers"]:
                 container = Container(spec["name"], spec)
@@ -524,22 +549,36 @@ class ProcessNode:
             return
         command = [_expand(part, env) for part in command]
         backoff = RESTART_BACKOFF_START
-        log_path = run.directory / f"{container.name}.log"
+        raw_log = run.directory / f"{container.name}.log"
+        stdin = _stdin_fifo(run, container)
+        if stdin and not stdin.exists():
+            os.mkfifo(stdin, 0o600)
         while not run.terminating:
             argv = ["ip", "netns", "exec", run.netns, sys.executable, str(LAUNCHER)]
             for src, dst in binds:
                 argv += ["--bind", src, dst]
             argv += ["--cwd", container.spec.get("workingDir") or str(run.directory), "--"]
-            with log_path.open("ab") as out:
+            # Read-write: the FIFO then always has a writer, so the container never sees its
+            # stdin end between two `kubectl attach` sessions.
+            stdin_fd = os.open(stdin, os.O_RDWR) if stdin else asyncio.subprocess.DEVNULL
+            try:
                 container.process = await asyncio.create_subprocess_exec(
                     *argv,
                     *command,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
+                    stdin=stdin_fd,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
                     env=env,
                     start_new_session=True,
                 )
+            finally:
+                if stdin:
+                    os.close(stdin_fd)
+            container.run_number = container.restart_count
+            cri_log = run.directory / "logs" / container.name / f"{container.run_number}.log"
+            copying = asyncio.create_task(
+                container_logs.copy_output(container.process, raw_log, cri_log)
+            )
             container.started_at = _now()
             container.terminated = None
             container.waiting_reason = None
@@ -548,6 +587,7 @@ class ProcessNode:
             run.status_dirty.set()
             code = await container.process.wait()
             probes.cancel()
+            await container_logs.finish(copying)
             container.ready = False
             container.started = False
             finished = {
@@ -710,6 +750,8 @@ class ProcessNode:
         while True:
             await run.status_dirty.wait()
             run.status_dirty.clear()
+            # Before the status: once a pod shows Running, `kubectl exec` finds its process.
+            _publish_for_kubelet_api(run)
             status = self.pod_status(run)
             if status == last:
                 continue
@@ -889,6 +931,37 @@ def _port(port: int | str, container: dict[str, Any]) -> int:
     raise ValueError(f"named port {port!r} not declared by the container")
 
 
+def _stdin_fifo(run: PodRun, container: Container) -> Path | None:
+    """The FIFO a container with `stdin: true` reads, which `kubectl attach` writes."""
+    return run.directory / f"{container.name}.stdin" if container.spec.get("stdin") else None
+
+
+def _publish_for_kubelet_api(run: PodRun) -> None:
+    """Write the pod's kubelet.json, what the kubelet API (hack/testbed/kubelet) knows of it:
+    each container's running process and which log files are its current and previous."""
+    containers = {}
+    for c in run.containers:
+        running = c.process is not None and c.process.returncode is None
+        current, previous = c.log_numbers()
+        stdin = _stdin_fifo(run, c)
+        containers[c.name] = {
+            "pid": c.process.pid if c.process is not None and running else 0,
+            "log": current,
+            "previousLog": previous,
+            "stdin": str(stdin) if stdin else "",
+        }
+    state = {
+        "namespace": run.namespace,
+        "name": run.name,
+        "uid": run.uid,
+        "netns": run.netns,
+        "containers": containers,
+    }
+    path = run.directory / "kubelet.json"
+    path.with_suffix(".tmp").write_text(json.dumps(state))
+    path.with_suffix(".tmp").replace(path)
+
+
 def _expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion for env values, command and args."""
     for key, val in env.items():
@@ -905,7 +978,11 @@ async def amain(layout: Layout, node_name: str) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(node.heartbeat()), asyncio.create_task(node.watch_pods())]
+        tasks = [
+            asyncio.create_task(node.heartbeat()),
+            asyncio.create_task(node.watch_pods()),
+            asyncio.create_task(node.policy.run()),
+        ]
         stopper: asyncio.Task[Any] = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
@@ -914,6 +991,7 @@ async def amain(layout: Layout, node_name: str) -> None:
             if task is not stopper and task.exception():
                 log.error("agent loop failed: %r", task.exception())
         await node.shutdown()
+        await node.policy.remove()
 
 
 def main(argv: list[str] | None = None) -> None:

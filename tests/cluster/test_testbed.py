@@ -21,6 +21,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from support.cluster import REPO, Cluster, eventually, hack_cluster
+from support.testbed_kubectl import kubectl
 
 pytestmark = pytest.mark.cluster
 
@@ -734,12 +735,14 @@ def test_kubectl_reports_the_pinned_version(cluster: Cluster) -> None:
 
 @pytest.mark.order_last
 def test_down_leaves_nothing_and_up_is_warm(testbed: Cluster) -> None:
-    """`down` stops every process and removes the network; a warm `up` brings it all back.
+    """`down` stops every process and removes the network (the NetworkPolicy table among it:
+    a policy isolates a running pod then); a warm `up` brings it all back.
 
     Runs last in the session (see conftest ordering) since it restarts the test bed."""
     pids_dir = Path(testbed.kubeconfig).parent / "pids"
     pids = [int(p.read_text()) for p in pids_dir.glob("*.pid")]
     assert pids, "the test bed records its daemons' pids"
+    _isolate_a_pod(testbed)
     result = hack_cluster("down")
     assert result.returncode == 0, result.stderr
     for pid in pids:
@@ -755,6 +758,46 @@ def test_down_leaves_nothing_and_up_is_warm(testbed: Cluster) -> None:
         ).returncode
         == 0
     )
+
+
+def _isolate_a_pod(testbed: Cluster) -> None:
+    """A process-node pod under a deny-all NetworkPolicy, so the policy table exists."""
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [
+            {
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "NetworkPolicy",
+                "metadata": {"name": "deny-all", "namespace": "default"},
+                "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "isolated", "namespace": "default"},
+                "spec": {
+                    "tolerations": [PROCESS_NODE_TOLERATION],
+                    "nodeSelector": {"dynamo.dev/node-kind": "process"},
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "main", "image": "x", "command": ["sleep", "600"]}],
+                },
+            },
+        ],
+    }
+    applied = kubectl(testbed, "apply", "-f", "-", stdin=json.dumps(manifest))
+    assert applied.returncode == 0, applied.stderr
+    waited = testbed.kubectl(
+        "-n",
+        "default",
+        "wait",
+        "--for=condition=Ready",
+        "pod/isolated",
+        "--timeout=60s",
+        check=False,
+    )
+    assert waited.returncode == 0, waited.stderr
+    assert network.nft_tables() == ["ip dtb_netpol"]
 
 
 def _is_zombie(pid: int) -> bool:
