@@ -1,10 +1,14 @@
 """Write a tiny random-weight Llama checkpoint, its tokenizer, and PEFT LoRA adapters for it.
 
-`hack/make-tiny-model DIR [--seed N]` runs this module. Nothing is downloaded: the tokenizer
-is a byte-level BPE trained here on a small built-in corpus, the weights come from a seeded
-generator, and the adapters are written by `peft` itself. The same seed gives byte-identical
-files (for the same versions of torch, transformers, peft and tokenizers, whose version
-numbers are recorded in `config.json` and `adapter_config.json`).
+`hack/make-tiny-model DIR [--seed N] [--head-dim 16|64]` runs this module. Nothing is
+downloaded: the tokenizer is a byte-level BPE trained here on a small built-in corpus, the
+weights come from a seeded generator, and the adapters are written by `peft` itself. The
+same seed gives byte-identical files (for the same versions of torch, transformers, peft and
+tokenizers, whose version numbers are recorded in `config.json` and `adapter_config.json`).
+
+`--head-dim 64` writes the same model family with a wider attention head (hidden 128, two
+heads), for engines whose attention kernels refuse head size 16 (vLLM's CPU backend); the
+default stays the 16-wide one every other test uses.
 
 Layout:
     DIR/base/                 config.json, generation_config.json, model.safetensors,
@@ -75,6 +79,24 @@ class AdapterSpec:
     target_modules: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The base model's dimensions; `head_dim` is hidden_size / num_attention_heads."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+# By head dimension: 16 is the default everywhere; 64 is the smallest vLLM's CPU attention takes.
+SHAPES = {
+    16: Shape(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    64: Shape(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2),
+}
+DEFAULT_HEAD_DIM = 16
+
+
 # Different ranks and target modules, so serving them together exercises PEFT's mixing.
 ADAPTERS = (
     AdapterSpec("sql-lora", 4, ("q_proj", "v_proj")),
@@ -121,19 +143,24 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_base_model(
-    vocab_size: int, bos_id: int, eos_id: int, pad_id: int, seed: int
+    vocab_size: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    seed: int,
+    shape: Shape = SHAPES[DEFAULT_HEAD_DIM],
 ) -> LlamaForCausalLM:
-    """A 2-layer Llama with random weights drawn from a generator seeded with `seed`."""
+    """A 2-layer Llama of `shape` with random weights drawn from a generator seeded with `seed`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
         max_position_embeddings=CONTEXT_LENGTH,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
@@ -194,13 +221,14 @@ def _portable_tokenizer_class(config_path: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def write_tiny_model(out_dir: Path, seed: int = 0) -> list[Path]:
-    """Write the base checkpoint and every adapter under `out_dir`; return the files written."""
+def write_tiny_model(out_dir: Path, seed: int = 0, head_dim: int = DEFAULT_HEAD_DIM) -> list[Path]:
+    """Write the base checkpoint (of `SHAPES[head_dim]`) and every adapter under `out_dir`;
+    return the files written."""
     tokenizer = build_tokenizer()
     base_dir = out_dir / "base"
     vocab_size = len(tokenizer)
     ids = {tok: tokenizer.vocab[tok] for tok in (BOS, EOS, PAD)}
-    model = build_base_model(vocab_size, ids[BOS], ids[EOS], ids[PAD], seed)
+    model = build_base_model(vocab_size, ids[BOS], ids[EOS], ids[PAD], seed, SHAPES[head_dim])
     model.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     _portable_tokenizer_class(base_dir / "tokenizer_config.json")
@@ -222,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("dir", type=Path, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        choices=sorted(SHAPES),
+        default=DEFAULT_HEAD_DIM,
+        help=f"attention head size (default {DEFAULT_HEAD_DIM}; 64 for vLLM's CPU attention)",
+    )
     args = parser.parse_args(argv)
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
@@ -233,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # A one-shard save needs no progress bar on the terminal.
     transformers_logging.disable_progress_bar()
-    for path in write_tiny_model(out_dir, args.seed):
+    for path in write_tiny_model(out_dir, args.seed, args.head_dim):
         print(f"{path.stat().st_size:>10}  {path}")
     names = ", ".join(spec.name for spec in ADAPTERS)
     print(f"base model: {out_dir / 'base'} (served name {BASE_MODEL_NAME}); adapters: {names}")

