@@ -26,6 +26,7 @@ import pytest
 
 from dynamo.engines.sample import SampleEngine, SampleEngineArgs
 from dynamo.runtime.context import Context
+from support import bench_plots
 from support.lora_adapters import adapter_files, write_tree
 from support.worker_process import SAMPLE_ENGINE, WorkerFactory, worker_factory
 
@@ -116,6 +117,7 @@ async def test_runtime_overhead(worker_factory: WorkerFactory) -> None:
     baseline = await in_process_rate()
     print(f"\n[overhead] {CONCURRENCY} x {TOKENS} tokens, zero delay")
     print(f"  in-process generate:             {baseline:10.0f} tokens/s (baseline)")
+    rows = []
     for route, label in (
         ("generate", "/v1/generate (NDJSON stream)"),
         ("sse", "/v1/completions (SSE stream)"),
@@ -124,6 +126,13 @@ async def test_runtime_overhead(worker_factory: WorkerFactory) -> None:
         rate, per_write = await http_rate(url, route)
         writes = f"  {per_write:5.1f} tokens/write" if route != "unary" else ""
         print(f"  {label:32s} {rate:10.0f} tokens/s  ratio {rate / baseline:.3f}{writes}")
+        rows.append((label, rate))
+    bench_plots.throughput(
+        ("in-process generate (baseline)", baseline),
+        rows,
+        f"Worker HTTP overhead, {CONCURRENCY} x {TOKENS} tokens",
+        "bench-runtime-overhead",
+    )
     worker.terminate()
     await worker.wait_exit()
 

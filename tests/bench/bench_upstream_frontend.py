@@ -18,6 +18,7 @@ import time
 import aiohttp
 import pytest
 
+from support import bench_plots
 from support.tiny_model import TinyModel
 from support.upstream import SAMPLE_ENGINE, UpstreamFleet, upstream_fleet
 
@@ -86,4 +87,10 @@ async def test_tokens_per_second_ours_vs_upstream_worker(
         f"  our worker:      {best_ours:10.0f} tokens/s (windows: {[round(x) for x in ours]})\n"
         f"  upstream worker: {best_theirs:10.0f} tokens/s (windows: {[round(x) for x in theirs]})\n"
         f"  ratio ours/upstream: {best_ours / best_theirs:.2f} (goal >= 0.90)"
+    )
+    bench_plots.throughput(
+        ("upstream worker (baseline)", best_theirs),
+        [("our worker", best_ours)],
+        f"Upstream frontend -> worker, {CONCURRENCY} clients x {TOKENS} tokens",
+        "bench-upstream-frontend",
     )
