@@ -424,6 +424,7 @@ class ProcessNode:
             shutil.copy(self.layout.pki / "ca.crt", token_dir / "ca.crt")
             (token_dir / "namespace").write_text(run.namespace)
             binds.append((str(token_dir), SA_MOUNT))
+        binds += await self._projected_tokens(pod, run)
         empty_dirs = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
         for container in spec["containers"]:
             for mount in container.get("volumeMounts") or []:
@@ -445,6 +446,44 @@ class ProcessNode:
                 host.mkdir(parents=True, exist_ok=True)
                 binds.append((str(host), mount["mountPath"]))
         return binds
+
+    async def _projected_tokens(self, pod: dict[str, Any], run: PodRun) -> list[tuple[str, str]]:
+        """Projected volumes made only of serviceAccountToken sources (a token for an audience
+        of the pod's choosing, e.g. the operator's for its workers), written once at start:
+        unlike the kubelet, the agent does not rotate them before they expire."""
+        spec = pod["spec"]
+        sa = spec.get("serviceAccountName") or "default"
+        found: dict[str, Path] = {}
+        for volume in spec.get("volumes") or []:
+            sources = (volume.get("projected") or {}).get("sources") or []
+            if not sources or not all("serviceAccountToken" in s for s in sources):
+                continue
+            folder = run.directory / "volumes" / volume["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            for source in sources:
+                token_spec = source["serviceAccountToken"]
+                request: Any = {
+                    "apiVersion": "authentication.k8s.io/v1",
+                    "kind": "TokenRequest",
+                    "spec": {
+                        "audiences": [token_spec["audience"]] if token_spec.get("audience") else [],
+                        "expirationSeconds": int(token_spec.get("expirationSeconds") or 3600),
+                        "boundObjectRef": {
+                            "apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid,
+                        },
+                    },
+                }  # fmt: skip
+                token = await self.core.create_namespaced_service_account_token(
+                    sa, run.namespace, request
+                )
+                (folder / token_spec["path"]).write_text(token.status.token)
+            found[volume["name"]] = folder
+        return [
+            (str(found[mount["name"]]), mount["mountPath"])
+            for container in spec["containers"]
+            for mount in container.get("volumeMounts") or []
+            if mount["name"] in found
+        ]
 
     def _would_hide_host_paths(self, mount_path: str, run: PodRun) -> bool:
         target = Path(mount_path).resolve()

@@ -150,6 +150,20 @@ _VALID = [
         ),
     ),
     ("dw-budget-no-reject", dynamo_worker(spec={"tokenBudget": {"combinedLimit": 0}})),
+    (
+        "dw-network-policy",
+        dynamo_worker(
+            spec={
+                "networkPolicy": {
+                    "systemPortNamespaces": ["monitoring"],
+                    "clientNamespaces": ["gateway"],
+                },
+                # Private and loopback endpoints (an in-cluster MinIO) are fine.
+                "credentials": {"s3": {"secretName": "s3", "endpoint": "http://10.0.0.5:9000"}},
+            }
+        ),
+    ),
+    ("dw-network-policy-off", dynamo_worker(spec={"networkPolicy": {"enabled": False}})),
     ("lora-minimal", lora_adapter()),
     ("lora-full", FULL_LORA_ADAPTER),
     ("lora-hf-bare-repo", lora_adapter(spec={"source": {"uri": "hf://gpt2-lora@main"}})),
@@ -322,6 +336,29 @@ _INVALID = [
         ),
         "spec.credentials.s3.endpoint",
         "spec.credentials.s3.endpoint: use http://host[:port] or https://host[:port]",
+    ),
+    # A link-local or cloud metadata address, however it is spelled.
+    *(
+        Invalid(
+            f"dw-s3-endpoint-{case}",
+            dynamo_worker(spec={"credentials": {"s3": {"secretName": "s", "endpoint": url}}}),
+            "spec.credentials.s3.endpoint",
+            "spec.credentials.s3.endpoint: must not point at a link-local or cloud metadata",
+        )
+        for case, url in (
+            ("metadata", "http://169.254.169.254"),
+            ("aws-ipv6-metadata", "http://[fd00:ec2::254]:80"),
+            ("link-local-v6", "https://[fe80::1]"),
+            ("numeric-metadata", "http://2852039166"),
+            ("hex-metadata", "http://0xa9.0xfe.0xa9.0xfe"),
+            ("mapped-metadata", "http://[::ffff:169.254.169.254]"),
+            ("metadata-name", "http://Metadata.Google.Internal."),
+        )
+    ),
+    Invalid(
+        "dw-network-policy-namespace",
+        dynamo_worker(spec={"networkPolicy": {"systemPortNamespaces": ["Not_A_Namespace"]}}),
+        "spec.networkPolicy.systemPortNamespaces[0]",
     ),
     Invalid(
         "dw-name-with-dot",

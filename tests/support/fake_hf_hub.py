@@ -13,7 +13,8 @@ with `HF_ENDPOINT`:
 
 Private repositories demand `Authorization: Bearer <token>` like the Hub: no token gives
 401 `RepoNotFound`, a wrong one 401 "Invalid credentials in Authorization header". It binds
-127.0.0.1 on an OS-chosen port and records every request as `(method, path)`.
+127.0.0.1 on an OS-chosen port and records every request as `(method, path)`. `redirects`
+sends a file's GET elsewhere with a 302, as the Hub does for LFS files.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class FakeHub:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[tuple[str, str]] = []
         self.info_delay = 0.0
+        # File name -> absolute URL: a GET of that file answers 302 there (as the Hub sends
+        # LFS files to its CDN); HEAD still answers with the file's metadata.
+        self.redirects: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
@@ -185,6 +189,10 @@ class FakeHub:
             "ETag": f'"{hashlib.sha256(content).hexdigest()}"',
             "Content-Type": "application/octet-stream",
         }
+        target = self.redirects.get(unquote(filename))
+        if target is not None and body:
+            self._reply(request, 302, b"", body, {**headers, "Location": target})
+            return
         self._reply(request, 200, content, body, headers)
 
     @staticmethod

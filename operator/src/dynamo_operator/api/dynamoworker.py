@@ -21,6 +21,7 @@ from dynamo_operator.api.common import (
     conditions_field,
     defaulted,
 )
+from dynamo_operator.api.endpoints import ENDPOINT_HOST_RULE
 from dynamo_operator.api.pod import PodOverrides
 from dynamo_operator.api.resource import (
     AGE_COLUMN,
@@ -331,6 +332,7 @@ class S3Credentials(ApiModel):
             ),
             field_path=".endpoint",
         ),
+        ENDPOINT_HOST_RULE,
     )
 
 
@@ -364,6 +366,37 @@ class Metrics(ApiModel):
         default="Auto",
         description="Auto: a PodMonitor when the Prometheus Operator's CRD exists, else "
         "prometheus.io annotations. Enabled: always a PodMonitor. Disabled: neither.",
+    )
+
+
+NamespaceName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"),
+]
+
+
+class NetworkPolicySettings(ApiModel):
+    """Who may reach the worker pods. The policy needs a CNI that enforces NetworkPolicy."""
+
+    enabled: bool = Field(
+        default=True,
+        description="A NetworkPolicy admitting only the peers below to the worker pods; egress "
+        "stays open (downloads).",
+    )
+    system_port_namespaces: list[NamespaceName] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Namespaces whose pods may reach the system port (metrics, probes), e.g. "
+        "Prometheus's. The operator's pods and this worker's frontend always may.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    client_namespaces: list[NamespaceName] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Namespaces whose pods may reach every worker port, as a frontend does "
+        "(the request and event planes use ports discovery advertises). This worker's "
+        "frontend always may.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
     )
 
 
@@ -451,6 +484,9 @@ class DynamoWorkerSpec(ApiModel):
     )
     pod: PodOverrides | None = Field(default=None, description="Additions to the worker pods.")
     metrics: Metrics = defaulted(Metrics, "Metrics scraping.")
+    network_policy: NetworkPolicySettings = defaulted(
+        NetworkPolicySettings, "Network isolation of the worker pods."
+    )
     frontend: Frontend | None = Field(
         default=None,
         description="Deploy upstream Dynamo's frontend in front of the workers; none when unset.",

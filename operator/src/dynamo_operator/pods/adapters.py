@@ -49,6 +49,9 @@ WORKER_REASONS: dict[str, str] = {
 CAPACITY_EXCEEDED = "CapacityExceeded"
 WORKER_UNREACHABLE = "WorkerUnreachable"
 LORA_DISABLED = "LoRADisabled"
+# The worker's admin check refused the operator's token (missing, wrong audience, or no
+# `update` on dynamoworkers/admin): the message says which.
+OPERATOR_NOT_ADMITTED = "OperatorNotAdmitted"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def reason_for(http_status: int, worker_reason: str | None, message: str) -> str
         return CAPACITY_EXCEEDED
     if http_status == 404:
         return LORA_DISABLED
+    if http_status in (401, 403):
+        return OPERATOR_NOT_ADMITTED
     return "LoadFailed"
 
 

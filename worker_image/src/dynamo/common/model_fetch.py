@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Final
 
+from dynamo.common.lora import hub_redirects
 from dynamo.common.lora.adapter import atomic_write, safe_relative_path
 from dynamo.common.lora.hf_source import hf_endpoint, hf_token, hub_cache_dir, offline
 
@@ -110,6 +111,7 @@ def fetch_model_sync(remote_name: str, ignore_weights: bool = False) -> str:
             f"HF_HUB_OFFLINE is enabled and {remote_name} is not fully cached in "
             f"{hub_cache_dir()}; download it first or unset HF_HUB_OFFLINE"
         )
+    hub_redirects.install(hf_endpoint)
     endpoint = hf_endpoint()
     token: str | bool = hf_token() or False
     info = HfApi(endpoint=endpoint, token=token).model_info(remote_name, revision=REVISION)

@@ -41,6 +41,8 @@ FIXES: dict[str, str] = {
     "RequestTimeout": "the worker did not answer in time; read the pod's log",
     "NotListed": "the worker accepted the load but does not list the adapter; read the pod's log",
     "UnloadFailed": "the worker did not unload the adapter; read the pod's log",
+    "OperatorNotAdmitted": "give the operator update on dynamoworkers/admin in the namespace "
+    "and its projected token for the audience dynamo.dev/worker-admin (the chart does both)",
 }
 DEFAULT_FIX = "read the pod's log (kubectl logs <pod> -c main)"
 # When pods fail for different reasons, conditions report the first in this order.

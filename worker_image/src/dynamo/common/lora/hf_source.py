@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from dynamo.common.lora import hub_redirects
 from dynamo.common.lora._env import download_timeout, env_truthy
 from dynamo.common.lora.adapter import (
     COMPLETE_MARKER,
@@ -175,6 +176,7 @@ def fetch_snapshot(uri: str, location: HfLocation, cancel: threading.Event) -> t
     """
     from huggingface_hub import HfApi, hf_hub_download
 
+    hub_redirects.install(hf_endpoint)
     endpoint = hf_endpoint()
     token: str | bool = hf_token() or False  # False: never fall back to a stored login
     timeout = download_timeout()

@@ -19,6 +19,7 @@ from typing import Any, Final, TypeVar
 
 from dynamo.common.lora._env import download_timeout, env_truthy
 from dynamo.common.lora.adapter import check_file_count, safe_relative_path
+from dynamo.common.lora.endpoint_guard import check_s3_endpoint
 from dynamo.common.lora.errors import (
     REASON_AUTH,
     REASON_BAD_URI,
@@ -177,6 +178,8 @@ async def download_s3(uri: str, dest: Path) -> None:
     """
     location = parse_s3_uri(uri)
     settings = s3_settings()
+    if settings.endpoint:
+        await check_s3_endpoint(settings.endpoint)
     fs = _filesystem(settings)
     try:
         client = await fs.set_session()
