@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import shutil
 import time
@@ -38,6 +39,7 @@ from support.cluster import Cluster, eventually
 from support.lora_adapters import big_adapter_files
 from support.operator_process import start_operator
 from support.s3 import S3Server, testbed_s3_server
+from support.worker_admin import chart_worker_admin
 
 pytestmark = pytest.mark.bench
 __all__ = ["testbed_s3_server"]
@@ -96,7 +98,16 @@ async def test_lora_adapter_figures(
         },
     }
     await core.create_namespaced_secret(namespace, secret)
-    operator = start_operator(testbed, [namespace], tmp_path / "operator.log", resync_seconds=5)
+    # Workers admit the operator's loads only with a token the chart's RBAC authorizes.
+    worker_admin = contextlib.AsyncExitStack()
+    token = await worker_admin.enter_async_context(chart_worker_admin(api, namespace, tmp_path))
+    operator = start_operator(
+        testbed,
+        [namespace],
+        tmp_path / "operator.log",
+        resync_seconds=5,
+        extra_args=("--worker-token-file", str(token)),
+    )
     try:
         await operator.wait_serving()
         worker: Any = {
@@ -249,6 +260,7 @@ async def test_lora_adapter_figures(
                 **MERGE,
             )  # fmt: skip
         await core.delete_namespace(namespace)
+        await worker_admin.aclose()
 
 
 def _suppress() -> Any:

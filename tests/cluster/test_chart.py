@@ -292,7 +292,13 @@ def _check_installed(
     # The operator runs (readiness passed on /healthz) in a namespace enforcing the
     # `restricted` Pod Security Standard, so its pod is compliant.
     deployment = get_json(cluster, "deployment", fullname, "-n", home)
-    assert deployment["status"].get("readyReplicas") == 1
+    assert deployment["status"].get("readyReplicas") == 2
+    # One of the two replicas holds the leader-election Lease (its identity starts with the
+    # pod's name); the other stands by.
+    pods = get_json(cluster, "pods", "-n", home, "-l", "app.kubernetes.io/name=dynamo-operator")
+    names = {p["metadata"]["name"] for p in pods["items"]}
+    lease = get_json(cluster, "lease", f"{fullname}-leader", "-n", home)
+    assert lease["spec"]["holderIdentity"].rpartition("_")[0] in names, (lease, names)
     assert _exists(cluster, f"{fullname}-metrics", kind="service", namespace=home)
 
 

@@ -6,121 +6,50 @@ plane, worker pods on the fake GPU nodes.
   a spec edit rolls the Deployment and Progressing reports it; pods' DynamoWorkerMetadata
   shows in status; a child deleted out of band comes back within the resync period; model
   taints that cannot reach a pod mark it Degraded; deleting the worker collects everything.
+- Children created and deleted out of band converge from the operator's watches alone (no
+  resync, no read of a child from the API server): one of each, owned by the worker.
 - A restarted operator makes no writes to converged children.
-- Killed right after each of its writes while creating a worker, and restarted, the operator
-  never leaves duplicate or orphaned children and converges.
+- (Killed right after each of its writes: tests/cluster/test_faults.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo_operator.api.crd import dynamo_worker_metadata_crd
-from dynamo_operator.k8s.client import CRASH_EXIT_CODE
 from dynamo_operator.k8s.client import Cluster as OperatorCluster
 from dynamo_operator.reconcile.crds import install_crds
-from support.api_cases import dynamo_worker
 from support.cluster import Cluster, eventually
+from support.dynamo_workers import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    children,
+    condition,
+    create_worker,
+    get_worker,
+    owned_by,
+    pods,
+    wait_ready,
+)
 from support.operator_process import (
     CHILD_KINDS,
     TEST_IMAGE,
     OperatorProcess,
     running_operator,
-    start_operator,
 )
 
 pytestmark = pytest.mark.cluster
 
-GROUP, VERSION, PLURAL = "dynamo.dev", "v1alpha1", "dynamoworkers"
 RESYNC_SECONDS = 3.0
 MERGE_PATCH: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
-
-
-@pytest_asyncio.fixture(scope="session")
-async def crds(api: client.ApiClient) -> AsyncIterator[None]:
-    """The CRDs installed as the operator installs them (so its start writes none)."""
-    await install_crds(OperatorCluster(api))
-    yield
-
-
-async def create_worker(
-    api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    body: Any = dynamo_worker(name, {"replicas": 2, **(spec or {})})
-    result: dict[str, Any] = await client.CustomObjectsApi(api).create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, body
-    )
-    return result
-
-
-async def get_worker(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    result: dict[str, Any] = await client.CustomObjectsApi(api).get_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, name
-    )
-    return result
-
-
-def condition(worker: dict[str, Any], type_: str) -> dict[str, Any]:
-    for c in (worker.get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
-
-
-def is_ready(worker: dict[str, Any], replicas: int) -> bool:
-    status = worker.get("status") or {}
-    return (
-        condition(worker, "Ready").get("status") == "True"
-        and status.get("readyReplicas") == replicas
-        and status.get("observedGeneration") == worker["metadata"]["generation"]
-        and condition(worker, "Progressing").get("reason") == "RolloutComplete"
-    )
-
-
-async def wait_ready(
-    api: client.ApiClient, namespace: str, name: str, replicas: int, within: float = 60
-) -> dict[str, Any]:
-    return await eventually(
-        lambda: get_worker(api, namespace, name), within, lambda w: is_ready(w, replicas)
-    )
-
-
-async def children(api: client.ApiClient, namespace: str, worker: str) -> dict[str, list[Any]]:
-    """Every child kind's objects labelled for `worker`."""
-    selector = f"dynamo.dev/worker={worker}"
-    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
-    rbac, policy = client.RbacAuthorizationV1Api(api), client.PolicyV1Api(api)
-    listings: tuple[Any, ...] = await asyncio.gather(
-        apps.list_namespaced_deployment(namespace, label_selector=selector),
-        core.list_namespaced_service(namespace, label_selector=selector),
-        core.list_namespaced_service_account(namespace, label_selector=selector),
-        rbac.list_namespaced_role(namespace, label_selector=selector),
-        rbac.list_namespaced_role_binding(namespace, label_selector=selector),
-        policy.list_namespaced_pod_disruption_budget(namespace, label_selector=selector),
-    )
-    kinds = ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "PDB")
-    return {kind: list(listing.items) for kind, listing in zip(kinds, listings, strict=True)}
-
-
-def owned_by(obj: Any, uid: str) -> bool:
-    refs = obj.metadata.owner_references or []
-    return len(refs) == 1 and refs[0].uid == uid and refs[0].controller is True
-
-
-async def pods(api: client.ApiClient, namespace: str, worker: str) -> list[Any]:
-    listing = await client.CoreV1Api(api).list_namespaced_pod(
-        namespace, label_selector=f"dynamo.dev/worker={worker}"
-    )
-    return [p for p in listing.items if p.metadata.deletion_timestamp is None]
 
 
 def failure_context(operator: OperatorProcess) -> str:
@@ -317,6 +246,57 @@ async def resource_versions(api: client.ApiClient, namespace: str, worker: str) 
     }
 
 
+async def test_children_changed_out_of_band_converge_from_the_watches(
+    api: client.ApiClient, cluster: Cluster, namespace: str, crds: None, tmp_path: Path
+) -> None:
+    core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
+    apps = client.AppsV1Api(api)
+    # Before the worker: its ServiceAccount and Role exist already, made by someone else; the
+    # Role carries the operator's managed-by label (so its watch reports it), the
+    # ServiceAccount no label at all (so it does not).
+    await core.create_namespaced_service_account(
+        namespace,
+        {"metadata": {"name": "oob-worker"}},  # type: ignore[arg-type]
+    )
+    managed = {"app.kubernetes.io/managed-by": "dynamo-operator"}
+    await rbac.create_namespaced_role(
+        namespace,
+        {"metadata": {"name": "oob-worker", "labels": managed}, "rules": []},  # type: ignore[arg-type]
+    )
+    # A resync far away: whatever converges below converges from the watches.
+    with running_operator(
+        cluster, [namespace], tmp_path / "operator.log", resync_seconds=600
+    ) as operator:
+        created = await create_worker(api, namespace, "oob", {"replicas": 1})
+        uid = created["metadata"]["uid"]
+        await wait_ready(api, namespace, "oob", 1)
+        found = await children(api, namespace, "oob")
+        assert {kind: len(objs) for kind, objs in found.items()} == dict.fromkeys(found, 1)
+        assert all(owned_by(o, uid) for objs in found.values() for o in objs)
+        role = await rbac.read_namespaced_role("oob-worker", namespace)
+        assert role.rules, "the operator's rules replaced the foreign Role's"
+
+        # Deleted, and edited, out of band: back without any resync.
+        await rbac.delete_namespaced_role("oob-worker", namespace)
+        await core.delete_namespaced_service("oob", namespace)
+        await apps.patch_namespaced_deployment(
+            "oob", namespace, {"spec": {"replicas": 3}}, **MERGE_PATCH
+        )
+        await eventually(lambda: rbac.read_namespaced_role("oob-worker", namespace), 20)
+        await eventually(lambda: core.read_namespaced_service("oob", namespace), 20)
+        await eventually(
+            lambda: apps.read_namespaced_deployment("oob", namespace),
+            20,
+            lambda d: d.spec.replicas == 1,
+        )
+        found = await children(api, namespace, "oob")
+        assert {kind: len(objs) for kind, objs in found.items()} == dict.fromkeys(found, 1)
+        assert all(owned_by(o, uid) for objs in found.values() for o in objs)
+        await wait_ready(api, namespace, "oob", 1)
+        # Every read of a child came from the watches.
+        assert operator.requests(("get",), CHILD_KINDS) == 0, failure_context(operator)
+
+
 async def test_restart_on_converged_workers_writes_nothing(
     api: client.ApiClient, cluster: Cluster, namespace: str, crds: None, tmp_path: Path
 ) -> None:
@@ -333,64 +313,13 @@ async def test_restart_on_converged_workers_writes_nothing(
         # The resume handler and at least one resync have run for every worker.
         await eventually(lambda: asyncio.to_thread(operator.reconciles), 30, lambda n: n >= 6)
         assert operator.requests() == 0, failure_context(operator)
-        assert operator.requests(("get",), CHILD_KINDS) >= 3 * 6  # it did look
+        # It looked at every child, in the memory its watches fill.
+        assert operator.requests(("get",), CHILD_KINDS) == 0, failure_context(operator)
     after = {f"w{i}": await resource_versions(api, namespace, f"w{i}") for i in range(3)}
     assert after == before
     assert {f"w{i}": (await get_worker(api, namespace, f"w{i}"))["status"] for i in range(3)} == (
         statuses
     )
-
-
-async def test_crash_after_every_write_never_duplicates_or_orphans(
-    api: client.ApiClient, cluster: Cluster, namespace: str, crds: None, tmp_path: Path
-) -> None:
-    log = tmp_path / "operator.log"
-    created = await create_worker(api, namespace, "crashy")
-    uid = created["metadata"]["uid"]
-    crashes = 0
-    # Each run makes one write and dies at once, as if killed; the next run picks up there.
-    while True:
-        operator = start_operator(cluster, [namespace], log, crash_after_writes=1)
-        try:
-            done = await _crashed_or_idle(operator)
-        finally:
-            operator.stop()
-        if not done:
-            break
-        crashes += 1
-        assert crashes < 20, f"no convergence after {crashes} crashes:\n{operator.log_tail()}"
-        # Whatever exists after a crash is exactly one of each kind, owned by the worker.
-        for kind, objs in (await children(api, namespace, "crashy")).items():
-            assert len(objs) <= 1, (kind, [o.metadata.name for o in objs])
-            assert all(owned_by(o, uid) for o in objs), kind
-    # Each of the six children and the status was written by a run that died right after.
-    assert crashes >= 7, crashes
-    with running_operator(cluster, [namespace], log):
-        await wait_ready(api, namespace, "crashy", 2)
-    found = await children(api, namespace, "crashy")
-    assert {kind: len(objs) for kind, objs in found.items()} == dict.fromkeys(found, 1)
-    assert all(owned_by(o, uid) for objs in found.values() for o in objs)
-    replica_sets = await client.AppsV1Api(api).list_namespaced_replica_set(namespace)
-    assert len(replica_sets.items) == 1
-    assert len(await pods(api, namespace, "crashy")) == 2
-
-
-async def _crashed_or_idle(operator: OperatorProcess) -> bool:
-    """True when the operator crashed on purpose; False when it reconciled and stayed idle."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        code = operator.exited()
-        if code is not None:
-            assert code == CRASH_EXIT_CODE, f"exit {code}:\n{operator.log_tail()}"
-            return True
-        try:
-            # The resume handler and two resyncs ran without a write: converged.
-            if await asyncio.to_thread(operator.reconciles) >= 3:
-                return operator.exited() is not None
-        except OSError:
-            pass  # not serving yet, or exiting
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"neither crashed nor settled:\n{operator.log_tail()}")
 
 
 async def test_upstream_metadata_crd_is_left_alone(

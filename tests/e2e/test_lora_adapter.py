@@ -5,7 +5,9 @@ One DynamoWorker serves all steps, in order: load onto both pods and serve a com
 differs from the base model; reload after a worker process is killed; load onto a new pod
 after a scale-out; roll a new version without ever leaving the name unserved; report bad
 sources with reasons and backoff; report CapacityExceeded without disturbing other adapters;
-unload on delete, also with one pod not answering (within the bound, with an Event); and
+unload on delete, also with one pod not answering (within the bound, with an Event); admit
+changes only from callers allowed dynamoworkers/admin (401/403 otherwise, from a pod in
+another namespace too); and
 never leak a planted secret value into the operator's log, status or Events. Finally the
 DynamoWorker is deleted before an adapter, which must not get stuck in Terminating.
 """
@@ -35,6 +37,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo.common.lora import adapter_digest
+from dynamo_operator.pods.credentials import WORKER_ADMIN_AUDIENCE
 from support.cluster import REPO, Cluster
 from support.operator_namespace import (
     GROUP,
@@ -67,6 +70,7 @@ class Bed(OperatorNamespace):
 
     bucket: str = ""
     canary: str = ""
+    metrics_namespace: str = ""
     adapters: dict[str, Path] = field(default_factory=dict)
     statuses: list[str] = field(default_factory=list)
     texts: dict[str, str] = field(default_factory=dict)
@@ -176,11 +180,21 @@ def all_loaded(count: int, uri: str) -> Callable[[dict[str, Any]], bool]:
     return check
 
 
-async def http_json(method: str, url: str, body: Any = None, limit_seconds: float = 30) -> Any:
+async def http_json(
+    method: str,
+    url: str,
+    body: Any = None,
+    limit_seconds: float = 30,
+    headers: dict[str, str] | None = None,
+) -> Any:
     async with (
         aiohttp.ClientSession() as session,
         session.request(
-            method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit_seconds)
+            method,
+            url,
+            json=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=limit_seconds),
         ) as response,
     ):
         return response.status, await response.json(content_type=None)
@@ -249,6 +263,7 @@ async def bed(
             bucket=bucket,
             canary=canary,
             adapters=dict(tiny_model.adapters),
+            metrics_namespace=f"{namespace}-metrics",
         )
         worker: Any = {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -269,6 +284,7 @@ async def bed(
                     }
                 },
                 "pod": ON_PROCESS_NODE,
+                "networkPolicy": {"systemPortNamespaces": [bed.metrics_namespace]},
             },
         }
         await space.create("dynamoworkers", worker)
@@ -309,6 +325,155 @@ async def test_load_onto_every_pod_and_serve(bed: Bed) -> None:
         if name == "dynamo_operator_lora_adapters"
     }
     assert per_pod == {p.metadata.name: 1 for p in pods}
+
+
+# A pod elsewhere in the cluster tries to change a worker: no token, its ordinary token (the
+# API server's audience), and its own token for the workers' audience (a projected volume).
+CALLER_SCRIPT = """
+import json, sys, urllib.request
+url, body = sys.argv[1], json.dumps({"lora_name": "x", "source": {"uri": sys.argv[2]}}).encode()
+tokens = {
+    "none": None,
+    "ordinary": "/var/run/secrets/kubernetes.io/serviceaccount/token",
+    "audience": "/var/run/secrets/dynamo.dev/worker-admin/token",
+}
+for name, path in tokens.items():
+    headers = {"Content-Type": "application/json"}
+    if path:
+        headers["Authorization"] = "Bearer " + open(path).read().strip()
+    request = urllib.request.Request(url, body, headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            answer = {"status": response.status, "body": json.loads(response.read())}
+    except urllib.error.HTTPError as err:
+        answer = {"status": err.code, "body": json.loads(err.read())}
+    except OSError as err:  # refused by the NetworkPolicy
+        answer = {"status": 0, "error": str(err)}
+    print(json.dumps({"token": name, **answer}), flush=True)
+"""
+
+
+async def _service_account_token(bed: Bed, namespace: str, account: str) -> str:
+    request: Any = {"spec": {"audiences": [WORKER_ADMIN_AUDIENCE], "expirationSeconds": 600}}
+    answer = await bed.core.create_namespaced_service_account_token(account, namespace, request)
+    return str(answer.status.token)
+
+
+def _caller_pod(url: str, uri: str) -> Any:
+    token = {"audience": WORKER_ADMIN_AUDIENCE, "expirationSeconds": 600, "path": "token"}
+    return {
+        "metadata": {"name": "caller"},
+        "spec": {
+            **ON_PROCESS_NODE,
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.invalid/python:3",
+                    "command": ["python", "-c", CALLER_SCRIPT, url, uri],
+                    "volumeMounts": [
+                        {
+                            "name": "worker-admin",
+                            "mountPath": "/var/run/secrets/dynamo.dev/worker-admin",
+                        }
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "worker-admin", "projected": {"sources": [{"serviceAccountToken": token}]}}
+            ],
+        },
+    }
+
+
+async def _answers_from(bed: Bed, namespace: str, url: str) -> dict[str, dict[str, Any]]:
+    """Run the caller pod in a new `namespace`; its answer per token."""
+    body: Any = {"metadata": {"name": namespace, "labels": {"dynamo.dev/test": "true"}}}
+    await bed.core.create_namespace(body)
+    await bed.eventually(
+        f"the default ServiceAccount of {namespace}",
+        lambda: bed.core.read_namespaced_service_account("default", namespace),
+        30,
+        lambda _: True,
+    )
+    await bed.core.create_namespaced_pod(namespace, _caller_pod(url, bed.uri("poet-lora")))
+    await bed.eventually(
+        f"the caller pod in {namespace} finishes",
+        lambda: bed.core.read_namespaced_pod("caller", namespace),
+        60,
+        lambda pod: pod.status.phase in ("Succeeded", "Failed"),
+    )
+    log = await bed.core.read_namespaced_pod_log("caller", namespace)
+    return {a["token"]: a for a in map(json.loads, log.splitlines())}
+
+
+async def test_only_authorized_callers_may_change_a_worker(bed: Bed) -> None:
+    """Changes need a worker-audience token of someone allowed dynamoworkers/admin; the
+    operator's own loads (the test above) carry such a token, from the chart's Role. The
+    NetworkPolicy admits the system port from the namespace spec.networkPolicy names (the
+    test bed's policy agent enforces it), not from any other."""
+    ip = (await bed.pods())[0].status.pod_ip
+    url = f"http://{ip}:9090/v1/loras"
+    admitted, outsider = bed.metrics_namespace, f"{bed.namespace}-outsider"
+    try:
+        answers, shut_out = await asyncio.gather(
+            _answers_from(bed, admitted, url), _answers_from(bed, outsider, url)
+        )
+    finally:
+        for namespace in (admitted, outsider):
+            await bed.core.delete_namespace(namespace)
+    assert answers["none"]["status"] == 401, answers
+    assert "missing bearer token" in answers["none"]["body"]["message"]
+    assert answers["ordinary"]["status"] == 401, answers
+    assert "invalid bearer token" in answers["ordinary"]["body"]["message"]
+    assert answers["audience"]["status"] == 403, answers
+    assert (
+        f"system:serviceaccount:{admitted}:default may not change this worker"
+        in (answers["audience"]["body"]["message"])
+    )
+    assert {a["status"] for a in shut_out.values()} == {0}, shut_out
+
+    # In the worker's namespace: granted dynamoworkers/admin may, granted nothing may not.
+    rbac = client.RbacAuthorizationV1Api(bed.api)
+    for name in ("granted", "nothing"):
+        account: Any = {"metadata": {"name": name}}
+        await bed.core.create_namespaced_service_account(bed.namespace, account)
+    role: Any = {
+        "metadata": {"name": "worker-admin"},
+        "rules": [
+            {
+                "apiGroups": ["dynamo.dev"],
+                "resources": ["dynamoworkers/admin"],
+                "resourceNames": [WORKER],
+                "verbs": ["update"],
+            }
+        ],
+    }
+    await rbac.create_namespaced_role(bed.namespace, role)
+    binding: Any = {
+        "metadata": {"name": "worker-admin"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "worker-admin",
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": "granted", "namespace": bed.namespace}],
+    }
+    await rbac.create_namespaced_role_binding(bed.namespace, binding)
+    body = {"lora_name": "by-hand", "source": {"uri": bed.uri("poet-lora")}}
+    nothing = await _service_account_token(bed, bed.namespace, "nothing")
+    status, answer = await http_json(
+        "POST", url, body, headers={"Authorization": f"Bearer {nothing}"}
+    )
+    assert status == 403, answer
+    granted = await _service_account_token(bed, bed.namespace, "granted")
+    headers = {"Authorization": f"Bearer {granted}"}
+    status, answer = await http_json("POST", url, body, headers=headers)
+    assert status == 200, answer
+    assert "by-hand" in await loras(ip)
+    status, answer = await http_json("DELETE", f"{url}/by-hand", headers=headers)
+    assert status == 200, answer
+    assert "by-hand" not in await loras(ip)
 
 
 async def test_a_killed_worker_gets_the_adapter_back(bed: Bed) -> None:

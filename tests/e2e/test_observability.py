@@ -194,6 +194,8 @@ async def bed(
                 "resources": {"gpusPerPod": 0},
                 "lora": {"enabled": True, "maxLoras": 2},
                 "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
+                # So that drive_traffic can have a request refused by the budget.
+                "tokenBudget": {"combinedLimit": 64, "rejectTotalOverflow": True},
                 "pod": ON_PROCESS_NODE,
             },
         }
@@ -243,6 +245,11 @@ async def drive_traffic(bed: Bed) -> None:
         body = {"model": model, "prompt": "the quick brown", "max_tokens": 4}
         assert await post(url, body) == 200
     assert await post(url, {"model": "no-such-model", "prompt": "x", "max_tokens": 1}) >= 400
+    # Over the token budget: refused, counted by model and adapter.
+    assert await post(url, {"model": ADAPTER, "prompt": "x", "max_tokens": 100}) == 400
+    # No drain is driven here (the pod would be gone before a scrape saw its count):
+    # dynamo_worker_drain_timeouts_exceeded_total has data as its declared 0, and the
+    # count itself is tested in tests/unit/test_runtime_lifecycle.py.
 
 
 def selectors(node: Any) -> list[str]:

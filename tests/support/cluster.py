@@ -105,17 +105,23 @@ async def api(cluster: Cluster) -> AsyncIterator[client.ApiClient]:
         yield api_client
 
 
-@pytest_asyncio.fixture
-async def namespace(api: client.ApiClient) -> AsyncIterator[str]:
-    """A fresh namespace per test, deleted afterwards."""
+async def create_test_namespace(api: client.ApiClient, prefix: str = "t") -> str:
+    """A fresh namespace, labelled as a test's, with its `default` ServiceAccount."""
     core = client.CoreV1Api(api)
-    name = f"t-{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     body: Any = {"metadata": {"name": name, "labels": {"dynamo.dev/test": "true"}}}
     await core.create_namespace(body)
     # Pods need the namespace's `default` ServiceAccount, which a controller creates.
     await eventually(lambda: core.read_namespaced_service_account("default", name), 30)
+    return name
+
+
+@pytest_asyncio.fixture
+async def namespace(api: client.ApiClient) -> AsyncIterator[str]:
+    """A fresh namespace per test, deleted afterwards."""
+    name = await create_test_namespace(api)
     yield name
-    await core.delete_namespace(name)
+    await client.CoreV1Api(api).delete_namespace(name)
 
 
 async def eventually(

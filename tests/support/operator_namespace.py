@@ -3,7 +3,8 @@ pods run on the process node.
 
 `operator_namespace` installs the CRDs, creates the namespace, makes a folder the pods can
 read (a pod's /tmp is its own, so models and adapters must live elsewhere on the host), and
-starts `dynamo-operator run` for the namespace. On exit it stops the operator, strips the
+starts `dynamo-operator run` for the namespace, with the chart's worker-admin RBAC and a token for
+the workers' audience (`support.worker_admin`). On exit it stops the operator, strips the
 finalizers it would have removed (nothing may outlive it stuck in Terminating), and deletes
 the namespace and the folder.
 """
@@ -26,6 +27,7 @@ from dynamo_operator.k8s.client import Cluster as OperatorCluster
 from dynamo_operator.reconcile.crds import install_crds
 from support.cluster import Cluster, eventually
 from support.operator_process import OperatorProcess, start_operator
+from support.worker_admin import chart_worker_admin
 
 T = TypeVar("T")
 GROUP, VERSION = "dynamo.dev", "v1alpha1"
@@ -86,22 +88,29 @@ async def operator_namespace(
     await eventually(lambda: core.read_namespaced_service_account("default", namespace), 30)
     shared = Path(testbed.kubeconfig).parent / "e2e" / namespace
     shared.mkdir(parents=True)
-    operator = start_operator(testbed, [namespace], log_dir / "operator.log", resync_seconds=3.0)
-    found = OperatorNamespace(api, namespace, shared, operator)
-    try:
-        await operator.wait_serving()
-        yield found
-    finally:
-        operator.stop()
-        for plural in ("loraadapters", "dynamoworkers"):
-            with contextlib.suppress(ApiException):
-                listing = await found.custom.list_namespaced_custom_object(
-                    GROUP, VERSION, namespace, plural
-                )
-                for item in listing["items"]:
-                    await found.custom.patch_namespaced_custom_object(
-                        GROUP, VERSION, namespace, plural, item["metadata"]["name"],
-                        {"metadata": {"finalizers": None}}, **MERGE,
-                    )  # fmt: skip
-        await core.delete_namespace(namespace)
-        shutil.rmtree(shared, ignore_errors=True)
+    async with chart_worker_admin(api, namespace, log_dir) as token:
+        operator = start_operator(
+            testbed,
+            [namespace],
+            log_dir / "operator.log",
+            resync_seconds=3.0,
+            extra_args=("--worker-token-file", str(token)),
+        )
+        found = OperatorNamespace(api, namespace, shared, operator)
+        try:
+            await operator.wait_serving()
+            yield found
+        finally:
+            operator.stop()
+            for plural in ("loraadapters", "dynamoworkers"):
+                with contextlib.suppress(ApiException):
+                    listing = await found.custom.list_namespaced_custom_object(
+                        GROUP, VERSION, namespace, plural
+                    )
+                    for item in listing["items"]:
+                        await found.custom.patch_namespaced_custom_object(
+                            GROUP, VERSION, namespace, plural, item["metadata"]["name"],
+                            {"metadata": {"finalizers": None}}, **MERGE,
+                        )  # fmt: skip
+            await core.delete_namespace(namespace)
+            shutil.rmtree(shared, ignore_errors=True)

@@ -154,15 +154,13 @@ def start_operator(
     log_path: Path,
     *,
     resync_seconds: float = 3.0,
-    crash_after_writes: int | None = None,
     extra_args: Sequence[str] = (),
+    kubeconfig: Path | None = None,
 ) -> OperatorProcess:
-    """Start `dynamo-operator run` for `namespaces`."""
+    """Start `dynamo-operator run` for `namespaces` (against `kubeconfig`, by default the
+    cluster's; e.g. a `support.api_proxy.ApiProxy`'s, to count its requests)."""
     metrics_port, health_port = free_port(), free_port()
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    env.pop("DYNAMO_OPERATOR_CRASH_AFTER_WRITES", None)
-    if crash_after_writes is not None:
-        env["DYNAMO_OPERATOR_CRASH_AFTER_WRITES"] = str(crash_after_writes)
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig or cluster.kubeconfig)}
     script = Path(sys.executable).parent / "dynamo-operator"
     args = [str(script), "run", "--worker-image", TEST_IMAGE]
     for namespace in namespaces:

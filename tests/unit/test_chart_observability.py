@@ -129,6 +129,6 @@ def test_each_dashboard_has_namespace_and_dynamoworker_variables(path: Path) -> 
 
 def test_every_worker_query_selects_the_variables() -> None:
     for query in dashboard_queries():
-        if "dynamo_component_" in query.expr:
+        if "dynamo_component_" in query.expr or "dynamo_worker_" in query.expr:
             assert 'namespace=~"$namespace"' in query.expr, query.panel
             assert WORKER_SELECTOR in query.expr, query.panel

@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
+from dynamo.runtime.system import auth as admin_auth
 from dynamo_operator import cli
 from dynamo_operator.api import DynamoWorker, crd
 from dynamo_operator.api import metadata as dwm
 from dynamo_operator.handlers import build_registry
 from dynamo_operator.k8s import kinds
+from dynamo_operator.pods.credentials import DEFAULT_TOKEN_FILE, WORKER_ADMIN_AUDIENCE
 from dynamo_operator.reconcile.dynamoworker import builders
 from dynamo_operator.reconcile.dynamoworker.reconciler import FRONTEND_KINDS
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
@@ -128,7 +130,8 @@ def test_template_matches_golden(helm: Path, case: str) -> None:
     ("values", "message"),
     [
         ({"metrics": {"port": "8080"}}, "at '/metrics/port': got string, want integer"),
-        ({"replicaCount": 2}, "at '/replicaCount': value must be 1"),
+        ({"replicaCount": 0}, "at '/replicaCount': minimum"),
+        ({"leaderElection": {"enabled": "yes"}}, "at '/leaderElection/enabled': got string"),
         ({"rbac": {"scope": "global"}}, "at '/rbac/scope': value must be one of"),
         ({"crds": {"keep": "yes"}}, "at '/crds/keep': got string, want boolean"),
         ({"crds": {"keepp": True}}, "additional properties 'keepp' not allowed"),
@@ -197,8 +200,12 @@ def test_operator_command_line_is_one_the_operator_accepts(helm: Path, case: str
 def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None:
     docs = render(helm)
     deployment = one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # A leader and a standby; a rollout starts a new standby before it stops an old pod.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = deployment["spec"]["template"]["spec"]
     main = container(docs)
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -217,6 +224,24 @@ def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None
     assert args.all_namespaces
     assert args.worker_image is None
     assert args.frontend_image is None
+    assert args.leader_election
+    assert args.lease_name == "dynamo-operator-leader"
+    assert (args.lease_duration_seconds, args.lease_retry_seconds) == (15, 2)
+    env = {e["name"]: e for e in main["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+def test_without_leader_election_one_replica_recreates(helm: Path) -> None:
+    values = {"replicaCount": 1, "leaderElection": {"enabled": False}}
+    docs = render(helm, values)
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert not cli._parser().parse_args(container(docs)["args"]).leader_election
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-leader-election")]
+    result = template(helm, {"leaderElection": {"enabled": False}}, check=False)
+    assert result.returncode != 0
+    assert "replicaCount > 1 needs leaderElection.enabled" in result.stderr
 
 
 def test_values_reach_the_operator(helm: Path) -> None:
@@ -288,7 +313,8 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     # Children deleted when no longer wanted (`WorkerReconciler._remove_unwanted`): read, then
     # deleted when owned.
     assert "candidates.append((kinds.POD_MONITOR" in source
-    for kind in (kinds.POD_MONITOR, *FRONTEND_KINDS):
+    assert "(kinds.NETWORK_POLICY, network_policy_name(name))" in source
+    for kind in (kinds.POD_MONITOR, kinds.NETWORK_POLICY, *FRONTEND_KINDS):
         group = kind.api_version.rpartition("/")[0]
         need |= {(group, kind.plural, v, ()) for v in ("get", "delete")}
     verbs = {"get": "get", "list": "list", "delete": "delete", "patch_status": "patch"}
@@ -318,6 +344,12 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     assert len(roles) == 2
     for role in roles:
         need |= permissions(role["rules"])
+    # Worker pods admit the operator's requests only if it may do what their admin check asks
+    # (dynamo.runtime.system.auth); the pod clients send its token on every request.
+    assert "BearerToken(" in (OPERATOR_CODE / "handlers" / "context.py").read_text()
+    need.add(
+        (admin_auth.GROUP, f"{admin_auth.RESOURCE}/{admin_auth.SUBRESOURCE}", admin_auth.VERB, ())
+    )
     # Cluster-scoped: whether the PodMonitor CRD exists.
     assert "crd_exists(POD_MONITOR_CRD)" in source
     crds = ("apiextensions.k8s.io", "customresourcedefinitions")
@@ -336,7 +368,7 @@ def test_cluster_role_grants_exactly_what_the_code_uses(helm: Path) -> None:
     assert ("nvidia.com", dwm.PLURAL, "create", ()) in namespaced
     assert ("dynamo.dev", "dynamoworkers/status", "patch", ()) in namespaced
     assert ("monitoring.coreos.com", "podmonitors", "delete", ()) in namespaced
-    granted = permissions(one(render(helm), "ClusterRole")["rules"])
+    granted = permissions(one(render(helm), "ClusterRole", "dynamo-operator")["rules"])
     assert granted - (namespaced | cluster | EXTRA) == set(), "granted but never used"
     assert (namespaced | cluster) - granted == set(), "used but not granted"
 
@@ -345,24 +377,81 @@ def test_namespaced_scope_grants_the_same_per_namespace(helm: Path) -> None:
     namespaced, cluster = required_permissions()
     values = {"rbac": {"scope": "namespaced", "watchNamespaces": ["team-a", "team-b"]}}
     docs = render(helm, values, namespace="ops")
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "dynamo-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert permissions(role["rules"]) == namespaced | EXTRA
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    bindings = [
+        d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "dynamo-operator"
+    ]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for binding in bindings:
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "dynamo-operator", "namespace": "ops"}
         ]
-    assert permissions(one(docs, "ClusterRole")["rules"]) == cluster
+    assert permissions(one(docs, "ClusterRole", "dynamo-operator-crds")["rules"]) == cluster
     args = cli._parser().parse_args(container(docs)["args"])
     assert args.namespaces == ["team-a", "team-b"]
     assert not args.all_namespaces
     # No namespaces listed: the release namespace.
     docs = render(helm, {"rbac": {"scope": "namespaced"}}, namespace="ops")
-    assert [r["metadata"]["namespace"] for r in docs if r["kind"] == "Role"] == ["ops"]
+    assert [
+        r["metadata"]["namespace"]
+        for r in docs
+        if r["kind"] == "Role" and r["metadata"]["name"] == "dynamo-operator"
+    ] == ["ops"]
     assert cli._parser().parse_args(container(docs)["args"]).namespaces == ["ops"]
+
+
+@pytest.mark.parametrize(
+    ("values", "groups"),
+    [
+        ({}, ["system:serviceaccounts"]),
+        (
+            {"rbac": {"scope": "namespaced", "watchNamespaces": ["team-a", "team-b"]}},
+            ["system:serviceaccounts:team-a", "system:serviceaccounts:team-b"],
+        ),
+    ],
+)
+def test_workers_may_review_tokens_and_nothing_more(
+    helm: Path, values: dict[str, Any], groups: list[str]
+) -> None:
+    """The workers' TokenReview comes from the chart (a cluster-scoped kind, granted to the
+    watched namespaces' service accounts); their SubjectAccessReviews are local, in their
+    Role (see test_cluster_role_grants_exactly_what_the_code_uses)."""
+    docs = render(helm, values, namespace="ops")
+    name = "dynamo-operator-worker-token-review"
+    role = one(docs, "ClusterRole", name)
+    assert permissions(role["rules"]) == {("authentication.k8s.io", "tokenreviews", "create", ())}
+    binding = one(docs, "ClusterRoleBinding", name)
+    assert binding["roleRef"]["name"] == name
+    assert [s["name"] for s in binding["subjects"]] == groups
+    assert {s["kind"] for s in binding["subjects"]} == {"Group"}
+    worker_role = next(
+        c
+        for c in builders.desired_children(
+            DynamoWorker.model_validate(
+                {**FULL_DYNAMO_WORKER, "metadata": {"name": "w", "namespace": "ns", "uid": "u"}}
+            ),
+            ReconcileSettings(worker_image="x"),
+        )
+        if c["kind"] == "Role"
+    )
+    assert ("authorization.k8s.io", "localsubjectaccessreviews", "create", ()) in permissions(
+        worker_role["rules"]
+    )
+    assert not {p for p in permissions(worker_role["rules"]) if p[1] == "subjectaccessreviews"}
+
+
+def test_operator_sends_a_projected_token_for_the_workers_audience(helm: Path) -> None:
+    docs = render(helm)
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "worker-admin-token")
+    [source] = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == admin_auth.AUDIENCE == WORKER_ADMIN_AUDIENCE
+    [mount] = [m for m in container(docs)["volumeMounts"] if m["name"] == "worker-admin-token"]
+    token = Path(mount["mountPath"]) / source["serviceAccountToken"]["path"]
+    assert token == DEFAULT_TOKEN_FILE
 
 
 @pytest.mark.parametrize("scope", ["cluster", "namespaced"])
@@ -373,6 +462,41 @@ def test_rbac_has_no_wildcards_secrets_or_escalation(helm: Path, scope: str) -> 
             assert "*" not in (group, resource, verb)
             assert resource != "secrets", "the operator only references Secrets by name"
             assert verb not in ("escalate", "bind", "impersonate")
+
+
+def leader_election_permissions() -> set[Permission]:
+    """What leader election needs, from its code: the Lease requests in k8s/lease.py (the
+    generated client's `*_namespaced_lease` methods) on the one Lease the Deployment names,
+    and the takeover Event (handlers/leadership.py)."""
+    lease_code = (OPERATOR_CODE / "k8s" / "lease.py").read_text()
+    verbs = {"read": "get", "create": "create", "replace": "update"}
+    used = set(re.findall(r"\.(\w+)_namespaced_lease\(", lease_code))
+    assert used == set(verbs), used
+    name = ("dynamo-operator-leader",)
+    need: set[Permission] = {
+        ("coordination.k8s.io", "leases", verbs[m], () if m == "create" else name) for m in used
+    }
+    assert "recorder.record(" in (OPERATOR_CODE / "handlers" / "leadership.py").read_text()
+    need.add(("events.k8s.io", "events", "create", ()))
+    return need
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespaced"])
+def test_leader_election_grants_exactly_its_lease_in_the_release_namespace(
+    helm: Path, scope: str
+) -> None:
+    docs = render(helm, {"rbac": {"scope": scope}}, namespace="ops")
+    role = one(docs, "Role", "dynamo-operator-leader-election")
+    assert role["metadata"]["namespace"] == "ops"
+    assert permissions(role["rules"]) == leader_election_permissions()
+    binding = one(docs, "RoleBinding", "dynamo-operator-leader-election")
+    assert binding["metadata"]["namespace"] == "ops"
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "dynamo-operator", "namespace": "ops"}
+    ]
+    # The Lease the operator is told to use is the one the Role names.
+    assert cli._parser().parse_args(container(docs)["args"]).lease_name == "dynamo-operator-leader"
 
 
 def test_rbac_create_false_renders_no_rbac(helm: Path) -> None:

@@ -16,9 +16,11 @@ from kopf._cogs.aiokits.aioenums import FlagSetter
 from dynamo_operator import cli
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.handlers import OperatorConfig, OperatorContext, build_registry
-from dynamo_operator.handlers.indices import Indices
+from dynamo_operator.handlers.indices import CHILD_KINDS, Indices, child_index_id
 from dynamo_operator.handlers.lifecycle import operator_settings, watcher_problem
 from dynamo_operator.handlers.resync import resync_loop
+from dynamo_operator.k8s import kinds
+from dynamo_operator.reconcile.children import CachedChild
 from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo
 
@@ -39,6 +41,13 @@ def test_settings_use_our_names_and_deliberate_timeouts() -> None:
     assert settings.watching.client_timeout == 330
     assert settings.watching.inactivity_timeout == 70
     assert settings.networking.request_timeout == 60
+    # The API server sends only worker pods and the operator's own children.
+    selectors = {
+        str(getattr(k, "any_name", "")): v for k, v in settings.watching.label_selectors.items()
+    }
+    assert selectors.pop("pods") == "dynamo.dev/worker"
+    assert set(selectors) == {k.plural for k in CHILD_KINDS}
+    assert set(selectors.values()) == {"app.kubernetes.io/managed-by=dynamo-operator"}
 
 
 def test_every_handler_is_registered_with_a_stable_id() -> None:
@@ -59,9 +68,10 @@ def test_every_handler_is_registered_with_a_stable_id() -> None:
             "worker_metadata",
             "dynamo_workers",
             "lora_adapters",
+            *(f"children_{k.plural}" for k in CHILD_KINDS),
         },
         "watching": {
-            "deployment_changed",
+            *(f"{k.plural}_changed" for k in CHILD_KINDS),
             "pod_changed",
             "metadata_changed",
             "lora_changed",
@@ -136,6 +146,9 @@ def test_the_indices_view_reads_every_index_by_namespace() -> None:
         }
     )
     worker = WorkerInfo("llm")
+    service = CachedChild.of(
+        {"kind": "Service", "metadata": {"name": "llm", "uid": "s", "managedFields": [{}]}}
+    )
     # kopf's indices are mappings of keys to collections of values; so are these.
     view = Indices.of(
         {
@@ -144,6 +157,8 @@ def test_the_indices_view_reads_every_index_by_namespace() -> None:
             "worker_metadata": {("ns", "llm-a"): [record]},
             "dynamo_workers": {"ns": [worker]},
             "lora_adapters": {},
+            **{child_index_id(k): {} for k in CHILD_KINDS},
+            child_index_id(kinds.SERVICE): {("ns", "llm"): [service]},
             "logger": logging.getLogger("ignored"),
         }
     )
@@ -158,6 +173,14 @@ def test_the_indices_view_reads_every_index_by_namespace() -> None:
     assert (namespace.workers, namespace.adapters) == ([worker], [])
     # An adapter loads onto a pod whose containers are ready, whatever its readiness gate.
     assert [(p.name, p.worker) for p in namespace.pods_of("llm")] == [("llm-a", "llm")]
+    # Children: by kind and name, without what no reconcile reads (managedFields).
+    children = view.children(frozenset({"Service"}))
+    assert children.watches(kinds.SERVICE)
+    assert not children.watches(kinds.POD_MONITOR)
+    found = children.get(("Service", "ns", "llm"))
+    assert found is not None
+    assert found.body() == {"kind": "Service", "metadata": {"name": "llm", "uid": "s"}}
+    assert children.get(("Service", "ns", "other")) is None
 
 
 async def test_one_resync_loop_runs_on_triggers_requests_and_the_period() -> None:

@@ -303,14 +303,19 @@ def test_pod_overrides_cannot_replace_operator_labels() -> None:
     assert labels["app.kubernetes.io/name"] == "dynamo-worker"
 
 
-def test_role_allows_exactly_the_workers_metadata() -> None:
+def test_role_allows_exactly_the_workers_metadata_and_local_reviews() -> None:
     role = desired_role(stored(dynamo_worker()))
     assert role["rules"] == [
         {
             "apiGroups": ["nvidia.com"],
             "resources": ["dynamoworkermetadatas"],
             "verbs": ["get", "create", "patch", "update", "delete"],
-        }
+        },
+        {
+            "apiGroups": ["authorization.k8s.io"],
+            "resources": ["localsubjectaccessreviews"],
+            "verbs": ["create"],
+        },
     ]
 
 

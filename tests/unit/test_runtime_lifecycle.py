@@ -187,6 +187,8 @@ async def test_drain_lets_requests_finish_then_refuses_new() -> None:
     assert await asyncio.wait_for(task, 30) == 0
     assert gauge(runtime, "dynamo_component_drain_time_seconds") > 0
     assert gauge(runtime, "dynamo_component_cleanup_time_seconds") >= 0
+    # Everything finished within the budget: no drain timeout.
+    assert gauge(runtime, "dynamo_worker_drain_timeouts_exceeded_total") == 0
 
 
 async def test_drain_budget_cancels_the_rest() -> None:
@@ -204,6 +206,7 @@ async def test_drain_budget_cancels_the_rest() -> None:
     assert '"finish_reason":"cancelled"' in lines[-2]
     assert await asyncio.wait_for(task, 30) == 0
     assert engine.calls.count("cleanup") == 1
+    assert gauge(runtime, "dynamo_worker_drain_timeouts_exceeded_total") == 1
 
 
 async def test_failed_start_still_cleans_up() -> None:

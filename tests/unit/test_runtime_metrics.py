@@ -7,14 +7,19 @@ import asyncio
 import pytest
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.common.backend import ComponentSnapshot
 from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, ScheduledRequestMetrics, decode
 from dynamo.runtime.fpm import FPM_TOPIC, ForwardPassPublisher
-from dynamo.runtime.metrics import EngineMetrics, RuntimeMetrics, auto_labels
+from dynamo.runtime.metrics import (
+    EngineMetrics,
+    ModelRequestMetrics,
+    RuntimeMetrics,
+    auto_labels,
+)
 from dynamo.runtime.snapshot import SnapshotPublisher
 
 pytestmark = pytest.mark.unit
@@ -91,6 +96,61 @@ def test_request_lifecycle_and_lora_metrics() -> None:
     assert value(text, "dynamo_component_lora_load_failures_total", reason="digest mismatch") == 1
     assert value(text, "dynamo_component_lora_downloaded_bytes_total") == 1234
     assert "_created" not in text
+
+
+def test_request_outcomes_and_token_timings_by_model_and_adapter() -> None:
+    registry = CollectorRegistry()
+    clock = iter([10.0, 10.25, 10.45, 10.85, 11.0])
+    by_model = ModelRequestMetrics(registry, LABELS, clock=lambda: next(clock))
+    observer = by_model.request("m")  # arrives at 10.0
+    observer.resolved("sql")
+    observer.tokens(1)  # first token 0.25 s after arrival
+    observer.tokens(2)  # 0.2 s for two tokens: 0.1 s each
+    observer.tokens(4)  # 0.4 s for four: 0.1 s each
+    observer.finished()
+    refused = by_model.request("m")
+    refused.refused_by_budget()
+    refused.failed("invalid_argument")
+    refused.failed("internal")  # the first error is the outcome
+    refused.cancelled = True
+    refused.finished()
+    text = generate_latest(registry).decode()
+    sql = {"model": "m", "adapter": "sql"}
+    base = {"model": "m", "adapter": ""}
+    ttft = "dynamo_worker_time_to_first_token_seconds"
+    assert value(text, ttft + "_sum", **sql) == 0.25
+    assert value(text, ttft + "_bucket", **sql, le="0.22") == 0
+    assert value(text, ttft + "_bucket", **sql, le="0.47") == 1
+    itl = "dynamo_worker_inter_token_latency_seconds"
+    assert value(text, itl + "_count", **sql) == 2
+    assert value(text, itl + "_sum", **sql) == pytest.approx(0.2)
+    assert value(text, "dynamo_worker_output_tokens_total", **sql) == 7
+    success = {"status": "success", "error_type": ""}
+    assert value(text, "dynamo_worker_requests_total", **sql, **success) == 1
+    error = {"status": "error", "error_type": "invalid_argument"}
+    assert value(text, "dynamo_worker_requests_total", **base, **error) == 1
+    assert value(text, "dynamo_worker_token_budget_refusals_total", **base) == 1
+    # Upstream's families keep upstream's labels: none of ours leak into them.
+    metrics = RuntimeMetrics(LABELS)
+    metrics.by_model.request("m").finished()
+    text = metrics.exposition()
+    assert {
+        name
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("dynamo_component_")
+        for sample in family.samples
+        for name in sample.labels
+    }.isdisjoint({"adapter", "status"})
+
+
+def test_drain_timeouts_exceeded_counter_is_declared_at_zero() -> None:
+    metrics = RuntimeMetrics(LABELS)
+    gauges = metrics.set_model("/models/m", "m")
+    model = {"model": "/models/m", "model_name": "m"}
+    name = "dynamo_worker_drain_timeouts_exceeded_total"
+    assert value(metrics.exposition(), name, **model) == 0
+    gauges.drain_timeouts_exceeded.inc()
+    assert value(metrics.exposition(), name, **model) == 1
 
 
 def test_metrics_labels_extend_request_metrics() -> None:

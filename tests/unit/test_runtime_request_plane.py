@@ -47,6 +47,16 @@ class Plane:
                     return sample.value
         raise AssertionError(name)
 
+    def by_model(self, name: str, **labels: str) -> float:
+        """The `dynamo_worker_*` sample `name` of model "sample-model" with `labels`."""
+        wanted = {"model": "sample-model", **labels}
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(self.metrics.exposition())
+            for sample in family.samples
+            if sample.name == name and wanted.items() <= sample.labels.items()
+        )
+
 
 async def start_plane(engine: Any, *, budget: TokenBudget | None = None) -> Plane:
     metrics = RuntimeMetrics(auto_labels("ns", "backend", "generate", 5))
@@ -229,6 +239,11 @@ async def test_token_budget_is_enforced() -> None:
             ) as response:
                 answer = await response.json()
             assert answer["usage"]["completion_tokens"] == 10 - 4
+        assert plane.by_model("dynamo_worker_token_budget_refusals_total", adapter="") == 2
+        refused = {"status": "error", "error_type": "invalid_argument"}
+        assert plane.by_model("dynamo_worker_requests_total", **refused) == 2
+        assert plane.by_model("dynamo_worker_requests_total", status="success") == 1
+        assert plane.by_model("dynamo_worker_output_tokens_total") == 10 - 4
     finally:
         await plane.plane.stop()
         await engine.cleanup()
@@ -246,8 +261,23 @@ async def test_adapter_selected_by_model(served: Plane, lora_env: Path) -> None:
             body = {"model": model, "prompt": "same prompt", "max_tokens": 8}
             async with session.post(served.url + "/v1/completions", json=body) as response:
                 answers[model] = (await response.json())["choices"][0]["text"]
+        body = {"model": "not-served", "prompt": "x", "max_tokens": 1}
+        async with session.post(served.url + "/v1/completions", json=body) as response:
+            assert response.status == 404
         async with session.get(served.url + "/v1/models") as response:
             models = await response.json()
+    # By model and adapter; an unknown name is never a label value (bounded cardinality).
+    for adapter in ("", "tuned"):
+        ok = {"adapter": adapter, "status": "success", "error_type": ""}
+        assert served.by_model("dynamo_worker_requests_total", **ok) == 1
+        assert served.by_model("dynamo_worker_output_tokens_total", adapter=adapter) == 8
+        ttft = "dynamo_worker_time_to_first_token_seconds_count"
+        assert served.by_model(ttft, adapter=adapter) == 1
+        itl = "dynamo_worker_inter_token_latency_seconds_count"
+        assert served.by_model(itl, adapter=adapter) >= 1
+    missing = {"adapter": "", "status": "error", "error_type": "not_found"}
+    assert served.by_model("dynamo_worker_requests_total", **missing) == 1
+    assert "not-served" not in served.metrics.exposition()
     assert answers["sample-model"] != answers["tuned"]
     assert answers["tuned"] == await expected_text(
         served.engine, served.engine.tokenizer.encode("same prompt"), 8, model="tuned"
@@ -289,6 +319,8 @@ async def test_client_disconnect_aborts_in_the_engine() -> None:
         await wait_for(lambda: engine.aborted == ["disconnect-me"], "the engine abort")
         await wait_for(lambda: len(plane.tracker) == 0, "the request to end")
         assert plane.metric("dynamo_component_cancellation_total") == 1
+        cancelled = {"status": "cancelled", "error_type": ""}
+        assert plane.by_model("dynamo_worker_requests_total", **cancelled) == 1
     finally:
         await plane.plane.stop()
         await engine.cleanup()
@@ -307,6 +339,10 @@ async def test_drain_stop_ends_streams_cancelled() -> None:
                 events = await sse_events(response)
         assert events[-1] == "[DONE]"
         assert events[-2]["choices"][0]["finish_reason"] == "cancelled"
+        await wait_for(lambda: len(plane.tracker) == 0, "the request to end")
+        cancelled = {"status": "cancelled", "error_type": ""}
+        assert plane.by_model("dynamo_worker_requests_total", **cancelled) == 1
+        assert plane.by_model("dynamo_worker_requests_total", status="success") == 0
     finally:
         await plane.plane.stop()
         await engine.cleanup()

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.common.backend import EngineConfig, GenerateChunk, LLMEngine
 from dynamo.common.backend.engine import GenerateRequest
@@ -148,6 +149,16 @@ async def test_lora_requests_reach_the_adapter(frontend: FakeFrontend) -> None:
     await frontend.send(frontend.frame(PATH, body, stream))
     await asyncio.wait_for(stream.closed.wait(), 10)
     assert engine.requests[0]["model"] == "my-lora"
+    # Counted under the adapter the routing named (the engine's one token).
+    tokens = [
+        sample
+        for family in text_string_to_metric_families(setup.plane.serving.metrics.exposition())
+        for sample in family.samples
+        if sample.name == "dynamo_worker_output_tokens_total"
+    ]
+    assert [(t.labels["model"], t.labels["adapter"], t.value) for t in tokens] == [
+        ("sample-model", "my-lora", 1)
+    ]
     await setup.plane.stop()
 
 

@@ -39,36 +39,42 @@ rules against the code.
 - apiGroups: [""]
   resources: ["pods/status"]
   verbs: ["patch"]
-# The worker and frontend Deployments: read before applying (no write when unchanged),
-# server-side applied (an apply that creates the object needs create as well as patch),
-# watched to reconcile when a rollout progresses, and the frontend's deleted when
-# spec.frontend is removed.
+# The worker and frontend Deployments: watched (kopf index: reconciles read them from memory,
+# and one that changes wakes its DynamoWorker), server-side applied when they differ (an
+# apply that creates the object needs create as well as patch), and the frontend's deleted
+# when spec.frontend is removed. Every child kind is watched the same way; get is the read
+# of a kind the operator does not watch (PodMonitors whose CRD came after its start).
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The other children, read before applying and server-side applied: the workers' headless
-# Service, ServiceAccount, Role and RoleBinding, the PodDisruptionBudget, and the frontend's
-# Service, ServiceAccount, Role and RoleBinding (deleted when spec.frontend is removed).
+# The other children, watched and server-side applied: the workers' headless Service,
+# ServiceAccount, Role and RoleBinding, the PodDisruptionBudget, and the frontend's Service,
+# ServiceAccount, Role and RoleBinding (deleted when spec.frontend is removed).
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The worker pods' NetworkPolicy: watched, server-side applied, and deleted when
+# spec.networkPolicy.enabled is false.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # EndpointSlices: the frontend's Role lets it list and watch them (upstream's Kubernetes
 # discovery: a worker is routable while its pod is ready in its Service's slices), and RBAC
 # lets the operator grant only what it holds. The operator itself never reads them.
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["list", "watch"]
-# PodMonitor (when the Prometheus Operator's CRD exists): applied like the other children,
-# and deleted when spec.metrics stops asking for one.
+# PodMonitor (when the Prometheus Operator's CRD exists): watched and applied like the other
+# children, and deleted when spec.metrics stops asking for one.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # DynamoWorkerMetadata, the records the worker pods write: watched (kopf index) to fill
 # DynamoWorker status. get/create/patch/update/delete because the workers' Role grants them
 # (and list/watch the frontend's), and RBAC lets the operator grant only what it holds itself
@@ -76,6 +82,17 @@ rules against the code.
 - apiGroups: ["nvidia.com"]
   resources: ["dynamoworkermetadatas"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# Worker admin routes (POST/DELETE /v1/loras, /engine/*): each worker admits the operator's
+# projected token (audience dynamo.dev/worker-admin) only if a SubjectAccessReview allows
+# this verb on this subresource. No such object exists: it only names the permission.
+- apiGroups: ["dynamo.dev"]
+  resources: ["dynamoworkers/admin"]
+  verbs: ["update"]
+# The workers' Role lets them ask that question in their own namespace only
+# (LocalSubjectAccessReview), and RBAC lets the operator grant only what it holds.
+- apiGroups: ["authorization.k8s.io"]
+  resources: ["localsubjectaccessreviews"]
+  verbs: ["create"]
 # Events: kopf posts core/v1 Events for handler warnings and errors; the reconciler records
 # events.k8s.io/v1 Events on condition transitions.
 - apiGroups: [""]
@@ -95,4 +112,27 @@ rules against the code.
   resources: ["customresourcedefinitions"]
   resourceNames: ["podmonitors.monitoring.coreos.com"]
   verbs: ["get"]
+{{- end }}
+
+{{/*
+Worker pods validate callers' tokens with a TokenReview. Why this binding and no other:
+- TokenReview is cluster-scoped, so only a ClusterRoleBinding can grant it (a RoleBinding
+  grants nothing outside its namespace, and a TokenReview has none).
+- The workers' ServiceAccounts are made by the operator per DynamoWorker at run time, so a
+  binding made at install time can name them only by group: system:serviceaccounts:<ns>
+  for each watched namespace (rbac.scope=namespaced), system:serviceaccounts when every
+  namespace is watched (cluster scope).
+- The alternative, the operator creating a ClusterRoleBinding per DynamoWorker, would give
+  the operator create/delete on clusterrolebindings cluster-wide (in both scopes): a far
+  larger power than this one.
+- What the group gains is small: a TokenReview only says whether a token the caller already
+  holds is valid and whose it is (the same ClusterRole as system:auth-delegator's first
+  rule, which kube-rbac-proxy sidecars hold). SubjectAccessReview is NOT granted here: the
+  workers ask it as a LocalSubjectAccessReview through their per-DynamoWorker Role, so no
+  pod learns anything about permissions in another namespace.
+*/}}
+{{- define "dynamo-operator.workerTokenReviewRules" -}}
+- apiGroups: ["authentication.k8s.io"]
+  resources: ["tokenreviews"]
+  verbs: ["create"]
 {{- end }}

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
-CRASH_AFTER_WRITES_ENV = "DYNAMO_OPERATOR_CRASH_AFTER_WRITES"
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +73,38 @@ def _parser() -> argparse.ArgumentParser:
         help="reconcile every DynamoWorker at least this often (default 30)",
     )
     run.add_argument(
+        "--worker-token-file",
+        default=None,
+        metavar="PATH",
+        help="service-account token for the audience dynamo.dev/worker-admin, sent to worker "
+        "pods and read again for each request (default: the chart's projected "
+        "/var/run/secrets/dynamo.dev/worker-admin/token)",
+    )
+    run.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run as one of several replicas: the one holding the Lease --lease-name (in "
+        "POD_NAMESPACE, else the first --namespace) reconciles, the others stand by",
+    )
+    run.add_argument(
+        "--lease-name",
+        help="the leader-election Lease (default dynamo-operator-leader)",
+    )
+    run.add_argument(
+        "--lease-duration-seconds",
+        type=float,
+        default=15.0,
+        help="how long a leader's Lease lasts without a renew, and so the longest failover "
+        "after a leader dies (default 15)",
+    )
+    run.add_argument(
+        "--lease-retry-seconds",
+        type=float,
+        default=2.0,
+        help="how often the leader renews the Lease and a standby reads it; also the leader's "
+        "safety margin before its Lease runs out (default 2)",
+    )
+    run.add_argument(
         "--no-install-crds",
         dest="install_crds",
         action="store_false",
@@ -85,8 +116,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     # Imported here: kopf and the client are only needed to run.
     from dynamo_operator.handlers import OperatorConfig, configure_logging, run
+    from dynamo_operator.pods.credentials import DEFAULT_TOKEN_FILE
 
-    crash = os.environ.get(CRASH_AFTER_WRITES_ENV)
     try:
         config = OperatorConfig(
             namespaces=tuple(args.namespaces or ()),
@@ -98,7 +129,12 @@ def _run(args: argparse.Namespace) -> int:
             health_port=args.health_port,
             resync_seconds=args.resync_seconds,
             install_crds=args.install_crds,
-            crash_after_writes=int(crash) if crash else None,
+            worker_token_file=Path(args.worker_token_file or DEFAULT_TOKEN_FILE),
+            operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+            leader_election=args.leader_election,
+            **({"lease_name": args.lease_name} if args.lease_name else {}),
+            lease_duration_seconds=args.lease_duration_seconds,
+            lease_retry_seconds=args.lease_retry_seconds,
         )
     except ValueError as err:
         print(f"dynamo-operator run: {err}", file=sys.stderr)

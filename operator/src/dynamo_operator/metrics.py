@@ -3,6 +3,8 @@
 - `dynamo_operator_reconcile_duration_seconds{kind}`: one reconcile of one object.
 - `dynamo_operator_reconcile_errors_total{kind}`: reconciles that raised.
 - `dynamo_operator_managed_objects{kind}`: objects the operator currently manages.
+- `dynamo_operator_leader`: 1 while this replica leads (holds the Lease and reconciles), 0 as
+  a standby; `dynamo_operator_leader_changes_total{change}`: acquired, released, lost.
 - `dynamo_operator_api_requests_total{verb,kind}`: requests the operator's client made to the
   API server (`verb` is get, apply, delete, patch-status, create, list); the write verbs are
   what "zero writes when converged" counts.
@@ -56,6 +58,18 @@ class OperatorMetrics:
             "dynamo_operator_managed_objects",
             "Objects the operator manages now.",
             ["kind"],
+            registry=self.registry,
+        )
+        self.leader = Gauge(
+            "dynamo_operator_leader",
+            "1 while this replica holds the leader-election Lease and reconciles, 0 while it "
+            "is a standby (always 1 without leader election).",
+            registry=self.registry,
+        )
+        self.leader_changes = Counter(
+            "dynamo_operator_leader_changes",
+            "Times this replica became leader (acquired) or stopped leading (released, lost).",
+            ["change"],
             registry=self.registry,
         )
         self.api_requests = Counter(

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -19,11 +20,15 @@ import aiohttp
 from aiohttp import web
 from kubernetes_asyncio import client
 
+from dynamo_operator.handlers.fence import WriteFence
+from dynamo_operator.handlers.indices import CHILD_KINDS
 from dynamo_operator.handlers.metrics_server import serve_metrics
 from dynamo_operator.handlers.settings import METRICS_HOST, OperatorConfig
-from dynamo_operator.k8s.client import Cluster, connect
+from dynamo_operator.k8s import kinds
+from dynamo_operator.k8s.client import ApiError, Cluster, connect
 from dynamo_operator.metrics import OperatorMetrics
 from dynamo_operator.pods.adapters import LoraClient
+from dynamo_operator.pods.credentials import BearerToken
 from dynamo_operator.pods.taints import TaintPusher
 from dynamo_operator.reconcile.crds import install_crds
 from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
@@ -33,6 +38,9 @@ from dynamo_operator.reconcile.loraadapter.reconciler import LoraReconciler
 logger = logging.getLogger(__name__)
 
 DYNAMO_WORKER = "DynamoWorker"
+# Reconciles running at once, all objects together: a burst of objects queues here rather than
+# at the API server, and triggers that arrive while an object waits join its next pass.
+MAX_PARALLEL_RECONCILES = 16
 LORA_ADAPTER = "LoRAAdapter"
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
 
@@ -47,7 +55,6 @@ class Services:
     http: aiohttp.ClientSession
     taints: TaintPusher
     lora: LoraReconciler
-    metrics_runner: web.AppRunner | None
 
 
 @dataclass
@@ -56,8 +63,16 @@ class OperatorContext:
 
     config: OperatorConfig
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    # Leader election's write fence (handlers.leadership), checked before every write.
+    fence: Callable[[], None] | None = None
     started_at: float = field(default_factory=time.monotonic)
     _services: Services | None = None
+    _metrics_runner: web.AppRunner | None = None
+    # The children's kinds kopf watches, so reconciles read them from its indices.
+    watched_children: frozenset[str] = frozenset()
+    reconcile_slots: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(MAX_PARALLEL_RECONCILES)
+    )
     _triggers: dict[ObjectKey, asyncio.Event] = field(default_factory=dict)
     _locks: dict[ObjectKey, asyncio.Lock] = field(default_factory=dict)
 
@@ -73,12 +88,17 @@ class OperatorContext:
     async def start(self) -> None:
         """Build the clients and servers; install the CRDs when configured to."""
         api = await connect()
-        cluster = Cluster(api, self.metrics, crash_after_writes=self.config.crash_after_writes)
+        cluster = Cluster(api, self.metrics, fence=self.fence)
         if self.config.install_crds:
             written = await install_crds(cluster)
             if written:
                 logger.info("Installed CRDs: %s", ", ".join(written))
-        http = aiohttp.ClientSession()
+        middlewares: tuple[aiohttp.ClientMiddlewareType, ...] = (
+            BearerToken(self.config.worker_token_file),
+        )
+        if self.fence is not None:
+            middlewares = (WriteFence(self.fence), *middlewares)
+        http = aiohttp.ClientSession(middlewares=middlewares)
         taints = TaintPusher(
             http,
             on_done=lambda namespace, worker: self.wake(DYNAMO_WORKER, namespace, worker),
@@ -90,6 +110,7 @@ class OperatorContext:
                 worker_image=self.config.worker_image,
                 worker_image_pull_secrets=self.config.worker_image_pull_secrets,
                 frontend_image=self.config.frontend_image,
+                operator_namespace=self.config.operator_namespace,
             ),
             taints,
             reporting_instance=socket.gethostname(),
@@ -101,10 +122,17 @@ class OperatorContext:
             on_change=lambda namespace, name: self.wake(LORA_ADAPTER, namespace, name),
             reporting_instance=socket.gethostname(),
         )
-        runner = None
-        if self.config.metrics_port >= 0:
-            runner = await serve_metrics(self.metrics, METRICS_HOST, self.config.metrics_port)
-        self._services = Services(api, cluster, reconciler, http, taints, lora, runner)
+        self.watched_children = await watched_children(reconciler)
+        await self.serve_metrics()
+        self._services = Services(api, cluster, reconciler, http, taints, lora)
+
+    async def serve_metrics(self) -> None:
+        """Start `/metrics` unless disabled or already started (a standby serves it before
+        `start()`, with leader election)."""
+        if self.config.metrics_port >= 0 and self._metrics_runner is None:
+            self._metrics_runner = await serve_metrics(
+                self.metrics, METRICS_HOST, self.config.metrics_port
+            )
 
     async def stop(self) -> None:
         """Close what `start()` built."""
@@ -114,8 +142,9 @@ class OperatorContext:
         await services.taints.close()
         await services.lora.close()
         await services.http.close()
-        if services.metrics_runner is not None:
-            await services.metrics_runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         await services.api.close()
 
     def wake(self, kind: str, namespace: str, name: str) -> None:
@@ -136,3 +165,13 @@ class OperatorContext:
         """Drop an object's trigger and lock once its resync loop ends."""
         self._triggers.pop((kind, namespace, name), None)
         self._locks.pop((kind, namespace, name), None)
+
+
+async def watched_children(reconciler: WorkerReconciler) -> frozenset[str]:
+    """The child kinds kopf will watch: it discovers resources once, after startup, so
+    PodMonitors only when their CRD is installed now (else they are read from the API server)."""
+    try:
+        pod_monitors = (await reconciler.refresh_cluster_facts()).pod_monitor_crd
+    except ApiError:
+        pod_monitors = False
+    return frozenset(k.kind for k in CHILD_KINDS if k is not kinds.POD_MONITOR or pod_monitors)

@@ -2,12 +2,13 @@
 
 - One reconcile on create, update and resume (kopf retries it on transient errors).
 - A daemon per DynamoWorker (`resync.resync_loop`) that reconciles again whenever one of its
-  children changes (Deployment, pods, the pods' DynamoWorkerMetadata) and at least every
-  resync period (repairing drift no watch reports, such as a deleted Role).
+  children changes (any child the operator applies, its pods, their DynamoWorkerMetadata)
+  and at least every resync period.
 
-What a reconcile reads comes from the indices (`indices.Indices`), so computing status needs
-no API reads. Handlers return nothing (kopf would store a return value in status). Per-worker
-reconciles are serialized by a lock, so a change handler and the daemon never interleave.
+What a reconcile reads comes from the indices (`indices.Indices`), children included, so a
+pass over a converged worker sends no request. Handlers return nothing (kopf would store a
+return value in status). Per-worker reconciles are serialized by a lock, so a change handler
+and the daemon never interleave; all reconciles share the context's bounded slots.
 """
 
 from __future__ import annotations
@@ -19,23 +20,30 @@ from typing import Any
 import kopf
 
 from dynamo_operator.handlers.context import DYNAMO_WORKER, OperatorContext
-from dynamo_operator.handlers.indices import DW, DWM, WORKER_PODS, Indices, namespace_of
+from dynamo_operator.handlers.indices import (
+    CHILD_KINDS,
+    DW,
+    DWM,
+    MANAGED,
+    WORKER_PODS,
+    Indices,
+    namespace_of,
+    resource_of,
+)
 from dynamo_operator.handlers.resync import resync_loop
-from dynamo_operator.reconcile.dynamoworker.labels import MANAGED_BY, WORKER_LABEL
+from dynamo_operator.k8s import kinds
+from dynamo_operator.reconcile.children import key_of
+from dynamo_operator.reconcile.dynamoworker.labels import OWNER_KIND, WORKER_LABEL
 from dynamo_operator.reconcile.errors import TransientError
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo, required_adapters
 
-MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 RETRY_DELAY_SECONDS = 5.0
 
 log = logging.getLogger(__name__)
 
 
-async def reconcile_now(
-    body: kopf.Body, memo: OperatorContext, indices: Indices, *, full: bool = True
-) -> None:
-    """Reconcile one DynamoWorker with what the indices hold; raises TransientError.
-    `full=False`: a status refresh after child events (see `WorkerReconciler.reconcile`)."""
+async def reconcile_now(body: kopf.Body, memo: OperatorContext, indices: Indices) -> None:
+    """Reconcile one DynamoWorker with what the indices hold; raises TransientError."""
     namespace, name = namespace_of(body.metadata.namespace), str(body.metadata.name)
     worker = WorkerInfo(name=name, labels=dict(body.metadata.labels or {}))
     required = required_adapters(worker, indices.adapters(namespace))
@@ -45,7 +53,11 @@ async def reconcile_now(
     async with memo.lock(DYNAMO_WORKER, namespace, name):
         try:
             outcome = await memo.services.reconciler.reconcile(
-                body, pods, metadata, full=full, required=required
+                body,
+                pods,
+                metadata,
+                required=required,
+                index=indices.children(memo.watched_children),
             )
         except Exception:
             memo.metrics.reconcile_errors.labels(kind=DYNAMO_WORKER).inc()
@@ -76,7 +88,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         try:
-            await reconcile_now(body, memo, Indices.of(kwargs))
+            async with memo.reconcile_slots:
+                await reconcile_now(body, memo, Indices.of(kwargs))
         except TransientError as err:
             raise kopf.TemporaryError(str(err), delay=RETRY_DELAY_SECONDS) from err
 
@@ -95,8 +108,9 @@ def register(registry: kopf.OperatorRegistry) -> None:
         namespace = namespace_of(namespace)
 
         async def reconcile(full: bool) -> None:
+            # Every pass is a full one: the children are read from memory.
             try:
-                await reconcile_now(body, memo, Indices.of(kwargs), full=full)
+                await reconcile_now(body, memo, Indices.of(kwargs))
             except TransientError as err:
                 log.warning("DynamoWorker %s/%s: will retry: %s", namespace, name, err)
             except Exception:
@@ -114,20 +128,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
         finally:
             memo.services.reconciler.forget(namespace, name, uid)
 
-    @kopf.on.event(
-        "apps", "v1", "deployments", id="deployment_changed", labels=MANAGED, registry=registry
-    )
-    async def deployment_changed(
-        event: kopf.RawEvent,
-        namespace: str | None,
-        labels: kopf.Labels,
-        memo: OperatorContext,
-        **_: Any,
-    ) -> None:
-        if event.get("type") is not None and WORKER_LABEL in labels:
-            memo.wake(DYNAMO_WORKER, namespace_of(namespace), labels[WORKER_LABEL])
+    for kind in CHILD_KINDS:
+        _register_child_changed(registry, kind)
 
-    @kopf.on.event("v1", "pods", id="pod_changed", labels=WORKER_PODS, registry=registry)
+    @kopf.on.event(*resource_of(kinds.POD), id="pod_changed", labels=WORKER_PODS, registry=registry)
     async def pod_changed(
         event: kopf.RawEvent,
         namespace: str | None,
@@ -150,3 +154,32 @@ def register(registry: kopf.OperatorRegistry) -> None:
         worker = Indices.of(kwargs).worker_of_pod(namespace, name)
         if event.get("type") is not None and worker is not None:
             memo.wake(DYNAMO_WORKER, namespace, worker)
+
+
+def _owner(meta: kopf.Meta) -> str | None:
+    """The DynamoWorker that controls a child (its controller owner reference)."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == OWNER_KIND:
+            return str(ref.get("name"))
+    return None
+
+
+def _register_child_changed(registry: kopf.OperatorRegistry, kind: kinds.Kind) -> None:
+    @kopf.on.event(
+        *resource_of(kind), id=f"{kind.plural}_changed", labels=MANAGED, registry=registry
+    )
+    async def child_changed(
+        event: kopf.RawEvent,
+        name: str,
+        namespace: str | None,
+        meta: kopf.Meta,
+        memo: OperatorContext,
+        **_: Any,
+    ) -> None:
+        if event.get("type") is None:  # the initial listing: nothing changed
+            return
+        namespace = namespace_of(namespace)
+        memo.services.reconciler.children.seen(key_of(kind, namespace, name))
+        owner = _owner(meta)
+        if owner is not None:
+            memo.wake(DYNAMO_WORKER, namespace, owner)

@@ -3,7 +3,11 @@
 kopf fills in-memory indices from its watches and hands each handler every index as a
 keyword argument named after the index's id; `Indices.of(kwargs)` reads them. The records are
 the reconcile layer's (a pod's summary, a DynamoWorker as its adapters see it, a LoRAAdapter
-as its workers see it), so a reconcile reads nothing from the API server.
+as its workers see it, and each child of a DynamoWorker, `reconcile.children`), so a
+reconcile reads nothing from the API server.
+
+The watches of pods and of the children's kinds are restricted on the API server by label
+(`restrict_watches`): the operator is sent only worker pods and what it manages itself.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import kopf
 from pydantic import ValidationError
 
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
-from dynamo_operator.reconcile.dynamoworker.labels import WORKER_LABEL
+from dynamo_operator.k8s import kinds
+from dynamo_operator.reconcile.children import CachedChild, ChildKey
+from dynamo_operator.reconcile.dynamoworker.labels import MANAGED_BY, WORKER_LABEL
 from dynamo_operator.reconcile.dynamoworker.pods import PodSummary, metadata_by_pod
 from dynamo_operator.reconcile.loraadapter.model import Pod
 from dynamo_operator.reconcile.loraadapter.reconciler import NamespaceView
@@ -28,6 +34,19 @@ DW = ("dynamo.dev", "v1alpha1", "dynamoworkers")
 LORA = ("dynamo.dev", "v1alpha1", "loraadapters")
 DWM = ("nvidia.com", "v1alpha1", "dynamoworkermetadatas")
 WORKER_PODS = {WORKER_LABEL: kopf.PRESENT}
+MANAGED_LABEL = "app.kubernetes.io/managed-by"
+MANAGED = {MANAGED_LABEL: MANAGED_BY}
+# Every kind the DynamoWorker reconciler writes, each watched and indexed by name.
+CHILD_KINDS = (
+    kinds.SERVICE_ACCOUNT,
+    kinds.ROLE,
+    kinds.ROLE_BINDING,
+    kinds.SERVICE,
+    kinds.POD_DISRUPTION_BUDGET,
+    kinds.DEPLOYMENT,
+    kinds.NETWORK_POLICY,
+    kinds.POD_MONITOR,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +63,42 @@ def _first(values: Iterable[Any] | None) -> Any:
     return next(iter(values), None) if values is not None else None
 
 
+def resource_of(kind: kinds.Kind) -> tuple[str, str, str]:
+    """kopf's (group, version, plural) of `kind`."""
+    group, _, version = kind.api_version.rpartition("/")
+    return group, version, kind.plural
+
+
+def child_index_id(kind: kinds.Kind) -> str:
+    return f"children_{kind.plural}"
+
+
+def restrict_watches(settings: kopf.OperatorSettings) -> None:
+    """Ask the API server for worker pods and the operator's own children only (every handler
+    of those kinds filters by the same labels)."""
+    settings.watching.label_selectors[resource_of(kinds.POD)] = WORKER_LABEL
+    selector = f"{MANAGED_LABEL}={MANAGED_BY}"
+    for kind in CHILD_KINDS:
+        settings.watching.label_selectors[resource_of(kind)] = selector
+
+
+@dataclass(frozen=True)
+class Children:
+    """The children the watches report, by (kind, namespace, name); a `ChildIndex`.
+    `watched`: the kinds kopf watches (PodMonitor only when its CRD was there at startup)."""
+
+    by_kind: Mapping[str, kopf.Index[tuple[str, str], CachedChild]]
+    watched: frozenset[str]
+
+    def watches(self, kind: kinds.Kind) -> bool:
+        return kind.kind in self.watched
+
+    def get(self, key: ChildKey) -> CachedChild | None:
+        kind, namespace, name = key
+        record: CachedChild | None = _first(self.by_kind[kind].get((namespace, name)))
+        return record
+
+
 @dataclass(frozen=True)
 class Indices:
     """The indices of one handler call."""
@@ -53,6 +108,7 @@ class Indices:
     worker_metadata: kopf.Index[tuple[str, str], DynamoWorkerMetadata]
     dynamo_workers: kopf.Index[str, WorkerInfo]
     lora_adapters: kopf.Index[str, AdapterRef]
+    children_by_kind: Mapping[str, kopf.Index[tuple[str, str], CachedChild]]
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indices:
@@ -63,7 +119,12 @@ class Indices:
             worker_metadata=kwargs["worker_metadata"],
             dynamo_workers=kwargs["dynamo_workers"],
             lora_adapters=kwargs["lora_adapters"],
+            children_by_kind={k.kind: kwargs[child_index_id(k)] for k in CHILD_KINDS},
         )
+
+    def children(self, watched: frozenset[str]) -> Children:
+        """The DynamoWorkers' children, of the `watched` kinds."""
+        return Children(self.children_by_kind, watched)
 
     def pods(self, namespace: str, worker: str) -> list[PodSummary]:
         """The pods of the DynamoWorker `worker`."""
@@ -143,3 +204,14 @@ def register(registry: kopf.OperatorRegistry) -> None:
             log.warning("Ignoring unreadable LoRAAdapter %s: %s", name, err)
             return {}
         return {namespace_of(namespace): ref}
+
+    for kind in CHILD_KINDS:
+        _register_child_index(registry, kind)
+
+
+def _register_child_index(registry: kopf.OperatorRegistry, kind: kinds.Kind) -> None:
+    @kopf.index(*resource_of(kind), id=child_index_id(kind), labels=MANAGED, registry=registry)
+    async def child(
+        body: kopf.Body, name: str, namespace: str | None, **_: Any
+    ) -> dict[tuple[str, str], CachedChild]:
+        return {(namespace_of(namespace), name): CachedChild.of(body)}

@@ -8,8 +8,10 @@ Settings are deliberate rather than kopf's defaults:
 - watches: the API server is asked to end each watch after `WATCH_SERVER_TIMEOUT_SECONDS`
   (kopf re-watches from the last resourceVersion), the client gives up a little later, and
   a stream silent for `WATCH_INACTIVITY_SECONDS` (no event and no bookmark) is reconnected;
-- standalone: one active operator, no peering objects (the chart runs one replica with the
-  Recreate strategy);
+- standalone: no kopf peering objects; with several replicas, one leads through a Lease and
+  the others run no kopf at all (`handlers.leadership`, which says why not kopf's peering);
+- the watches of pods and of the operator's children ask the API server for the labels the
+  handlers select (`indices.restrict_watches`);
 - no cluster scanning: the operator's resources are discovered once at startup, after it has
   installed its CRDs, so it needs no cluster-wide CRD and namespace watch permissions.
 """
@@ -26,6 +28,8 @@ from typing import Any
 import kopf
 
 from dynamo_operator.handlers.context import OperatorContext
+from dynamo_operator.handlers.fence import fenced_session
+from dynamo_operator.handlers.indices import restrict_watches
 
 ANNOTATION_PREFIX = "dynamo.dev"
 FINALIZER = f"{ANNOTATION_PREFIX}/finalizer"
@@ -58,6 +62,7 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.networking.connect_timeout = WATCH_CONNECT_TIMEOUT_SECONDS
     settings.peering.standalone = True
     settings.scanning.disabled = True
+    restrict_watches(settings)
     return settings
 
 
@@ -88,11 +93,18 @@ def register(registry: kopf.OperatorRegistry) -> None:
     """Register startup, cleanup, login and probes on `registry`."""
 
     @kopf.on.login(id="login", registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        in_cluster = kopf.login_with_service_account(**kwargs)
-        if in_cluster is not None:
-            return dataclasses.replace(in_cluster, server=in_cluster_server(in_cluster.server))
-        return kopf.login_with_kubeconfig(**kwargs)
+    async def login(
+        memo: OperatorContext, **kwargs: Any
+    ) -> kopf.ConnectionInfo | kopf.AiohttpSession | None:
+        info = kopf.login_with_service_account(**kwargs)
+        if info is not None:
+            info = dataclasses.replace(info, server=in_cluster_server(info.server))
+        else:
+            info = kopf.login_with_kubeconfig(**kwargs)
+        if info is None or memo.fence is None:
+            return info
+        # Leader election: kopf's own writes (finalizers, annotations, Events) pass the fence.
+        return fenced_session(info, memo.fence)
 
     @kopf.on.startup(id="start", registry=registry)
     async def start(memo: OperatorContext, **_: Any) -> None:
@@ -104,12 +116,20 @@ def register(registry: kopf.OperatorRegistry) -> None:
 
     @kopf.on.probe(id="watching", registry=registry)
     async def watching(memo: OperatorContext, **_: Any) -> str:
-        # A watcher task that died leaves the operator running but deaf (kopf #1276); only a
-        # restart brings it back, so the liveness probe fails.
         if time.monotonic() - memo.started_at < WATCHER_STARTUP_GRACE_SECONDS:
             return "starting"
-        names = [task.get_name() for task in asyncio.all_tasks()]
-        problem = watcher_problem(names, memo.config.namespaces)
+        problem = liveness_problem(memo)
         if problem is not None:
             raise kopf.PermanentError(problem)
         return "ok"
+
+
+def liveness_problem(memo: OperatorContext) -> str | None:
+    """Why the running operator should be restarted, or None (also the leader's `/healthz`
+    with leader election, `handlers.leadership`)."""
+    # A watcher task that died leaves the operator running but deaf (kopf #1276); only a
+    # restart brings it back, so the liveness probe fails.
+    if time.monotonic() - memo.started_at < WATCHER_STARTUP_GRACE_SECONDS:
+        return None
+    names = [task.get_name() for task in asyncio.all_tasks()]
+    return watcher_problem(names, memo.config.namespaces)

@@ -3,7 +3,9 @@
 It reconciles whenever the object's trigger is set (after a short debounce, so a burst of
 events such as pods becoming ready leads to one reconcile), when the last reconcile asked to
 run again (a LoRAAdapter's backoff ending), and at least every resync period (a full pass,
-which repairs drift no watch reports).
+which repairs drift no watch reports). Each pass holds one of the context's reconcile slots,
+and the trigger is cleared only once the slot is held: whatever arrives while the object
+waits for one (a watch event, a pod change, the resync) is coalesced into that one pass.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ async def resync_loop(
         last_full = time.monotonic()
         wake: float | None = None
         if at_start:
-            trigger.clear()
-            wake = await reconcile(True)
+            async with memo.reconcile_slots:
+                trigger.clear()
+                wake = await reconcile(True)
         while not stopped:
             wait = last_full + resync - time.monotonic()
             if wake is not None:
@@ -54,13 +57,14 @@ async def resync_loop(
             triggered = await _wait(trigger, stopped, max(wait, 0.0))
             if stopped:
                 break
-            trigger.clear()
             await asyncio.sleep(DEBOUNCE_SECONDS)
-            # A full pass when the resync is due, even while events keep coming.
-            full = not triggered or time.monotonic() - last_full >= resync
-            if full:
-                last_full = time.monotonic()
-            wake = await reconcile(full)
+            async with memo.reconcile_slots:
+                trigger.clear()
+                # A full pass when the resync is due, even while events keep coming.
+                full = not triggered or time.monotonic() - last_full >= resync
+                if full:
+                    last_full = time.monotonic()
+                wake = await reconcile(full)
     finally:
         memo.metrics.managed_objects.labels(kind=kind).dec()
         memo.metrics.forget_object(*key)

@@ -6,8 +6,9 @@ generated per-kind APIs: one code path for every kind, plain dicts in and out, a
 to count requests. Every write is counted per kind and verb (`OperatorMetrics.api_requests`),
 which is how tests assert that a converged cluster sees no writes.
 
-For fault-injection tests, `crash_after_writes=N` makes the process exit at once (no cleanup,
-as a SIGKILL would) right after its N-th successful write to a namespaced object.
+With leader election, `fence` is called before every write and refuses it once this replica
+may no longer write (`k8s.election`). (Fault-injection tests kill the operator after its k-th
+write at the API server's door: `tests/support/api_proxy.py`.)
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from dynamo_operator.k8s.election import NotLeader
 from dynamo_operator.k8s.kinds import CRD, EVENT, POD, Kind, kind_of
 from dynamo_operator.metrics import WRITE_VERBS, OperatorMetrics
 
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER = "dynamo-operator"
-CRASH_EXIT_CODE = 86
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -84,14 +85,13 @@ class Cluster:
         metrics: OperatorMetrics | None = None,
         *,
         request_timeout_seconds: float = 30.0,
-        crash_after_writes: int | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self._api = api
+        self._fence = fence
         self._metrics = metrics
         self._timeout = request_timeout_seconds
-        self._crash_after = crash_after_writes
         self.requests: Counter[tuple[str, str]] = Counter()
-        self._namespaced_writes = 0
 
     @property
     def writes(self) -> int:
@@ -103,15 +103,6 @@ class Cluster:
         if self._metrics is not None:
             self._metrics.api_requests.labels(verb=verb, kind=kind.kind).inc()
 
-    def _after_write(self, kind: Kind) -> None:
-        if not kind.namespaced or self._crash_after is None:
-            return
-        self._namespaced_writes += 1
-        if self._namespaced_writes >= self._crash_after:
-            logger.warning("Crashing on purpose after %d writes", self._namespaced_writes)
-            logging.shutdown()
-            os._exit(CRASH_EXIT_CODE)
-
     async def _call(
         self,
         method: str,
@@ -122,6 +113,12 @@ class Cluster:
         query: list[tuple[str, str]] | None = None,
         content_type: str = JSON,
     ) -> dict[str, Any]:
+        if method != "GET" and self._fence is not None:
+            # Leader election's fencing rule (k8s.election): no write after the deadline.
+            try:
+                self._fence()
+            except NotLeader as exc:
+                raise ApiError(0, "NotLeader", str(exc), what) from None
         try:
             result = await self._api.call_api(
                 path,
@@ -176,7 +173,6 @@ class Cluster:
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type=APPLY_PATCH,
         )
-        self._after_write(kind)
         return result
 
     async def delete(self, kind: Kind, namespace: str | None, name: str, uid: str) -> bool:
@@ -192,7 +188,6 @@ class Cluster:
             if err.status in (404, 409):
                 return False
             raise
-        self._after_write(kind)
         return True
 
     async def patch_status(
@@ -207,7 +202,6 @@ class Cluster:
             body={"status": dict(patch)},
             content_type=MERGE_PATCH,
         )
-        self._after_write(kind)
         return result
 
     async def patch_pod_conditions(
@@ -223,13 +217,11 @@ class Cluster:
             body={"status": {"conditions": [dict(c) for c in conditions]}},
             content_type=STRATEGIC_MERGE_PATCH,
         )
-        self._after_write(POD)
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """Record an events.k8s.io/v1 Event."""
         self._count("create", EVENT)
         await self._call("POST", EVENT.collection_path(namespace), "create Event", body=dict(event))
-        self._after_write(EVENT)
 
     async def crd_exists(self, name: str) -> bool:
         """Whether the CustomResourceDefinition `name` is installed."""

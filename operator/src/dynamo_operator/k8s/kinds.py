@@ -36,8 +36,10 @@ POD_DISRUPTION_BUDGET = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionb
 ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
 POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
+NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 POD = Kind("v1", "Pod", "pods")
 EVENT = Kind("events.k8s.io/v1", "Event", "events")
+LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 DYNAMO_WORKER = Kind(API_VERSION, "DynamoWorker", "dynamoworkers")
 LORA_ADAPTER = Kind(API_VERSION, "LoRAAdapter", "loraadapters")
 DYNAMO_WORKER_METADATA = Kind(dwm.API_VERSION, dwm.KIND, dwm.PLURAL)
@@ -53,6 +55,7 @@ ALL = (
     ROLE,
     ROLE_BINDING,
     POD_MONITOR,
+    NETWORK_POLICY,
     POD,
     EVENT,
     DYNAMO_WORKER,

@@ -79,7 +79,7 @@ class EngineStreamer:
                     if raw:
                         return
                     if context.is_stopped():
-                        yield cancelled_terminal()
+                        yield _cancelled(record)
                         return
                     raise StreamIncomplete(
                         "the engine's stream ended without a terminal chunk (finish_reason)"
@@ -89,27 +89,39 @@ class EngineStreamer:
                         "engine kept streaming request %s after abort; cutting it off",
                         context.id(),
                     )
-                    yield cancelled_terminal()
+                    yield _cancelled(record)
                     return
                 except asyncio.CancelledError:
                     if not record.forced:
                         raise
                     uncancel()
-                    yield cancelled_terminal()
+                    yield _cancelled(record)
                     return
                 if raw:
                     yield chunk
                     continue
+                tokens = chunk.get("token_ids")
+                if tokens and record.observer is not None:
+                    record.observer.tokens(len(tokens))
                 reason = chunk.get("finish_reason")
                 if reason is None:
                     yield chunk
                     continue
-                if reason == "abort":
-                    chunk = {**chunk, "finish_reason": CANCELLED}
+                if reason in ("abort", CANCELLED):
+                    chunk = _cancelled(record, chunk)
                 yield chunk
                 return
         finally:
             await _close(generator)
+
+
+def _cancelled(record: InflightRequest, terminal: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`terminal` (default: a synthesized one) ending "cancelled", the request's outcome."""
+    if record.observer is not None:
+        record.observer.cancelled = True
+    if terminal is None:
+        return cancelled_terminal()
+    return {**terminal, "finish_reason": CANCELLED}
 
 
 def uncancel() -> None:

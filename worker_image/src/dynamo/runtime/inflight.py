@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from dynamo.runtime.context import Context
+from dynamo.runtime.metrics import RequestObserver
 
 DRAIN_REASON = "drain"
 
@@ -26,6 +27,8 @@ class InflightRequest:
     task: asyncio.Task[object] | None = None
     # Set when the runtime itself cancelled the task (drain), as opposed to the client.
     forced: bool = field(default=False)
+    # Its outcome and token timings, by model and adapter (set by `Serving.admitted`).
+    observer: RequestObserver | None = None
 
 
 class InflightTracker:

@@ -57,6 +57,7 @@ from dynamo.runtime.settings import RuntimeSettings
 from dynamo.runtime.shutdown import Closer, ShutdownOrchestrator
 from dynamo.runtime.snapshot import SnapshotPublisher
 from dynamo.runtime.system import SystemServer
+from dynamo.runtime.system import auth as system_auth
 from dynamo.runtime.system.admin import RUNNING, SHUTTING_DOWN, AdminRoutes, EngineRoutes, Lifecycle
 from dynamo.runtime.tcp_plane import TcpRequestPlane, address
 
@@ -239,6 +240,7 @@ class WorkerRuntime:
             live_path=settings.live_path,
             lora_enabled=settings.lora_enabled,
             card_files=self._card_file_paths,
+            admin_auth=system_auth.from_env(),
         )
         self.system_port = await self.system_server.start(
             settings.system_host, settings.system_port

@@ -54,10 +54,12 @@ class Serving:
 
     @contextmanager
     def admitted(self, context: Context) -> Iterator[InflightRequest]:
-        """Count one request in flight (tracker, request and in-flight metrics, duration)."""
+        """Count one request in flight (tracker, request and in-flight metrics, duration),
+        and its outcome by model and adapter when it ends."""
         started = time.perf_counter()
         metrics = self.metrics
         record = self.tracker.begin(context)
+        record.observer = observer = metrics.by_model.request(self.models.base)
         metrics.requests.inc()
         metrics.inflight.inc()
         try:
@@ -66,33 +68,64 @@ class Serving:
             self.tracker.end(record)
             metrics.inflight.dec()
             metrics.request_duration.observe(time.perf_counter() - started)
+            observer.finished()
 
-    def check_budget(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
+    def failed(self, record: InflightRequest, error_type: str) -> None:
+        """Count one failed request of `error_type` (`dynamo_component_errors_total` and
+        the request's outcome)."""
+        self.metrics.count_error(error_type)
+        if record.observer is not None:
+            record.observer.failed(error_type)
+
+    def cancelled(self, record: InflightRequest) -> None:
+        """The client went away (`dynamo_component_cancellation_total`, and the outcome)."""
+        self.metrics.cancellations.inc()
+        if record.observer is not None:
+            record.observer.cancelled = True
+
+    def resolve_model(self, record: InflightRequest, requested: object) -> str | None:
+        """The adapter `requested` names (None: the base model), noted for the metrics; a 404
+        `RequestError` for a name this worker does not serve."""
+        adapter = self.models.resolve(requested)
+        if record.observer is not None:
+            record.observer.resolved(adapter)
+        return adapter
+
+    def check_budget(
+        self, record: InflightRequest, prompt_tokens: int, max_tokens: int | None
+    ) -> int | None:
         """The `max_tokens` the token budget allows; a 400 `RequestError` when it is spent."""
         try:
             return enforce_token_budget(self.budget, prompt_tokens, max_tokens)
         except TokenBudgetExceeded as exc:
+            if record.observer is not None:
+                record.observer.refused_by_budget()
             raise RequestError(str(exc), param="max_tokens") from None
 
     def token_request(
-        self, request: dict[str, Any], token_ids: list[int], requested_model: object
+        self,
+        record: InflightRequest,
+        request: dict[str, Any],
+        token_ids: list[int],
+        requested_model: object,
     ) -> dict[str, Any]:
         """A `GenerateRequest` as the engine gets it: `model` resolved to the base model or
         a loaded adapter, `stop_conditions.max_tokens` capped by the token budget."""
         engine_request = dict(request)
-        engine_request["model"] = self.models.resolve(requested_model) or self.models.base
+        engine_request["model"] = self.resolve_model(record, requested_model) or self.models.base
         conditions = request.get("stop_conditions")
         conditions = dict(conditions) if isinstance(conditions, dict) else {}
-        max_tokens = self.check_budget(len(token_ids), conditions.get("max_tokens"))
+        max_tokens = self.check_budget(record, len(token_ids), conditions.get("max_tokens"))
         if max_tokens is not None and max_tokens != conditions.get("max_tokens"):
             conditions["max_tokens"] = max_tokens
             engine_request["stop_conditions"] = conditions
         return engine_request
 
-    def engine_failed(self, exc: Exception, request_id: str) -> None:
+    def engine_failed(self, exc: Exception, record: InflightRequest) -> None:
         """Count and log a request that failed in the engine."""
         kind = "stream_incomplete" if isinstance(exc, StreamIncomplete) else "internal"
-        self.metrics.count_error(kind)
+        self.failed(record, kind)
+        request_id = record.context.id()
         logger.error("request %s failed in the engine: %s", request_id, exc, exc_info=exc)
 
     def succeeded(self) -> None:

@@ -11,7 +11,8 @@ Then (`run`):
    requests get 503 with `Retry-After`; in-flight ones may finish within the drain budget
    (`DYN_PREFILL_DRAIN_TIMEOUT_S`, capped at the hard deadline minus 5 s); prefill workers
    then also poll `is_quiescent()` as upstream; whatever is left is aborted in the engine
-   and ends with finish reason "cancelled". The time goes to `drain_time_seconds`;
+   and ends with finish reason "cancelled". The time goes to `drain_time_seconds`, and a
+   drain that had to abort goes to `dynamo_worker_drain_timeouts_exceeded_total`;
 3. `engine.cleanup()` exactly once (`cleanup_time_seconds`);
 4. close the request planes, the FPM socket, discovery and the system server.
 
@@ -122,7 +123,10 @@ class ShutdownOrchestrator:
         drained = await tracker.wait_idle(budget)
         if drained and self._prefill:
             await self._wait_quiescent(started + budget)
+        gauges = self._subject.gauges
         if not drained:
+            if gauges is not None:
+                gauges.drain_timeouts_exceeded.inc()
             count = tracker.stop_all()
             logger.warning(
                 "drain budget of %.1f s spent; cancelling %d request(s) (finish reason "
@@ -135,7 +139,6 @@ class ShutdownOrchestrator:
                 tracker.cancel_all()
                 await tracker.wait_idle(FORCED_WAIT_SECS)
         elapsed = time.monotonic() - started
-        gauges = self._subject.gauges
         if gauges is not None:
             gauges.drain_time.set(elapsed)
         logger.info("drain finished in %.2f s", elapsed)

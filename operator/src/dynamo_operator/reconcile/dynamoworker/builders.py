@@ -18,8 +18,11 @@ from dynamo_operator.reconcile.dynamoworker.interface import Env
 from dynamo_operator.reconcile.dynamoworker.labels import (
     ADAPTERS_READY_GATE,
     DISCOVERY_LABELS,
+    OPERATOR_LABEL,
     common_labels,
     deployment_name,
+    frontend_selector_labels,
+    network_policy_name,
     pdb_name,
     pod_monitor_name,
     selector_labels,
@@ -37,6 +40,11 @@ POD_MONITOR_CRD = "podmonitors.monitoring.coreos.com"
 # that budget plus ten minutes for scheduling and image pulls.
 PROGRESS_DEADLINE_SECONDS = wi.STARTUP_BUDGET_SECONDS + 600
 WORKER_ROLE_VERBS = ["get", "create", "patch", "update", "delete"]
+ADMIN_REVIEW_RULE: Manifest = {
+    "apiGroups": ["authorization.k8s.io"],
+    "resources": ["localsubjectaccessreviews"],
+    "verbs": ["create"],
+}
 VOLUME_SHM, VOLUME_CACHE, VOLUME_LORA = "shm", "cache", "lora-cache"
 
 
@@ -52,6 +60,8 @@ def _worker_env(dw: DynamoWorker) -> list[Manifest]:
         (Env.DISCOVERY_BACKEND, wi.DISCOVERY_BACKEND),
         (Env.REQUEST_PLANE, wi.REQUEST_PLANE),
         (Env.LORA_ENABLED, "true" if spec.lora.enabled else "false"),
+        (Env.SYSTEM_ADMIN_AUTH, wi.SYSTEM_ADMIN_AUTH),
+        (Env.SYSTEM_ADMIN_AUTH_WORKER, worker),
     ]
     max_loras = spec.lora.effective_max_loras
     if max_loras is not None:
@@ -285,11 +295,16 @@ def desired_service_account(dw: DynamoWorker) -> Manifest:
 
 
 def desired_role(dw: DynamoWorker) -> Manifest:
-    """What a worker does with the API: write its own DynamoWorkerMetadata, nothing else.
-    (A Role cannot name objects that do not exist yet for `create`, so the rule covers the
-    kind in the namespace.)"""
-    rule = {"apiGroups": [dwm.GROUP], "resources": [dwm.PLURAL], "verbs": list(WORKER_ROLE_VERBS)}
-    return m.role(dw, service_account_name(m.identity(dw)[0]), [rule])
+    """What a worker does with the API: write its own DynamoWorkerMetadata (a Role cannot
+    name objects that do not exist yet for `create`, so the rule covers the kind in the
+    namespace), and ask whether a caller of its admin routes may change it, in this
+    namespace only (LocalSubjectAccessReview; the TokenReview is the chart's binding)."""
+    metadata = {
+        "apiGroups": [dwm.GROUP],
+        "resources": [dwm.PLURAL],
+        "verbs": list(WORKER_ROLE_VERBS),
+    }
+    return m.role(dw, service_account_name(m.identity(dw)[0]), [metadata, ADMIN_REVIEW_RULE])
 
 
 def desired_role_binding(dw: DynamoWorker) -> Manifest:
@@ -305,20 +320,72 @@ def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
     )
 
 
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def _namespace_peer(namespace: str) -> Manifest:
+    return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
+
+
+def desired_network_policy(dw: DynamoWorker, settings: ReconcileSettings) -> Manifest:
+    """Ingress to the worker pods: the system port from the operator's pods and
+    spec.networkPolicy.systemPortNamespaces; every port from this worker's frontend (when
+    spec.frontend is set) and spec.networkPolicy.clientNamespaces (the TCP request plane and
+    the event plane listen on ephemeral ports that discovery advertises, so no port list can
+    name them). Egress is not limited (model and adapter downloads)."""
+    worker, namespace, _ = m.identity(dw)
+    policy = dw.spec.network_policy
+    operator_namespace: Manifest = (
+        {"matchLabels": {NAMESPACE_NAME_LABEL: settings.operator_namespace}}
+        if settings.operator_namespace
+        else {}
+    )
+    operator = {
+        "namespaceSelector": operator_namespace,
+        "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}},
+    }
+    clients = [_namespace_peer(n) for n in policy.client_namespaces]
+    if dw.spec.frontend is not None:
+        frontend_pods = {"matchLabels": frontend_selector_labels(worker)}
+        clients.insert(0, {**_namespace_peer(namespace), "podSelector": frontend_pods})
+    system_port = {"port": routes.SYSTEM_PORT_NAME, "protocol": "TCP"}
+    ingress: list[Manifest] = [
+        {
+            "from": [operator, *map(_namespace_peer, policy.system_port_namespaces)],
+            "ports": [system_port],
+        }
+    ]
+    if clients:  # (a rule with no peers would admit everyone)
+        ingress.append({"from": clients})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": m.object_metadata(dw, network_policy_name(worker)),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(worker)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def desired_children(
     dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
 ) -> list[Manifest]:
     """Every child the worker should have, in apply order: identity and permissions before
-    the pods that use them. The PodMonitor only when its CRD exists; the frontend's children
-    last (when spec.frontend is set)."""
+    the pods that use them, the NetworkPolicy before the pods it isolates (unless
+    spec.networkPolicy.enabled is false). The PodMonitor only when its CRD exists; the
+    frontend's children last (when spec.frontend is set)."""
     children = [
         desired_service_account(dw),
         desired_role(dw),
         desired_role_binding(dw),
         desired_service(dw),
         desired_pdb(dw),
-        desired_deployment(dw, settings, adapters_gate=adapters_gate),
     ]
+    if dw.spec.network_policy.enabled:  # before the pods, so they start isolated
+        children.append(desired_network_policy(dw, settings))
+    children.append(desired_deployment(dw, settings, adapters_gate=adapters_gate))
     if m.wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
         children.append(desired_pod_monitor(dw))
     return children + desired_frontend_children(dw, settings)

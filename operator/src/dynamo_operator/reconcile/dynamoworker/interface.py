@@ -22,6 +22,10 @@ DISCOVERY_BACKEND = "kubernetes"
 # Upstream's request plane: the worker serves it beside its own HTTP routes, so upstream's
 # frontend (spec.frontend, or one a user runs) can route to every worker the operator makes.
 REQUEST_PLANE = "tcp"
+# The mutating system routes answer only callers allowed `update` on this DynamoWorker's
+# `dynamoworkers/admin` (TokenReview + SubjectAccessReview; the operator's token is
+# `pods.credentials`).
+SYSTEM_ADMIN_AUTH = "kubernetes"
 
 # The system server's port and routes are in `pods.routes` (the pod clients use them too).
 HTTP_PORT = 8000
@@ -70,6 +74,8 @@ class Env(StrEnum):
     DISCOVERY_BACKEND = "DYN_DISCOVERY_BACKEND"
     REQUEST_PLANE = "DYN_REQUEST_PLANE"
     LORA_ENABLED = "DYN_LORA_ENABLED"
+    SYSTEM_ADMIN_AUTH = "DYN_SYSTEM_ADMIN_AUTH"
+    SYSTEM_ADMIN_AUTH_WORKER = "DYN_SYSTEM_ADMIN_AUTH_WORKER"
     LORA_PATH = "DYN_LORA_PATH"
     MAX_LORAS = "DYN_MAX_LORAS"
     GRACE_PERIOD = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"

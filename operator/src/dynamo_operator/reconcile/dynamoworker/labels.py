@@ -39,6 +39,8 @@ def common_labels(worker: str) -> dict[str, str]:
 
 
 FRONTEND_LABEL = f"{PREFIX}frontend"
+# On the operator's own pods (the chart sets it): the worker pods' NetworkPolicy admits them.
+OPERATOR_LABEL = f"{PREFIX}operator"
 
 
 def frontend_labels(worker: str) -> dict[str, str]:
@@ -79,6 +81,10 @@ def pdb_name(worker: str) -> str:
 
 
 def pod_monitor_name(worker: str) -> str:
+    return worker
+
+
+def network_policy_name(worker: str) -> str:
     return worker
 
 

@@ -28,12 +28,14 @@ from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError, Cluster
 from dynamo_operator.pods.taints import TaintPusher
+from dynamo_operator.reconcile.children import ChildIndex, ChildReader
 from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
 from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter, wanted_condition
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
 from dynamo_operator.reconcile.dynamoworker.labels import (
     deployment_name,
     frontend_name,
+    network_policy_name,
     pod_monitor_name,
 )
 from dynamo_operator.reconcile.dynamoworker.manifests import wants_pod_monitor
@@ -107,9 +109,11 @@ class WorkerReconciler:
     _crd_checked_at: float = field(default=float("-inf"), init=False)
     _status: StatusWriter = field(init=False)
     _events: EventRecorder = field(init=False)
+    children: ChildReader = field(init=False)
 
     def __post_init__(self) -> None:
         self._status = StatusWriter(self.cluster, kinds.DYNAMO_WORKER, DynamoWorkerStatus)
+        self.children = ChildReader(self.cluster)
         self._events = EventRecorder(self.cluster, self.reporting_instance, self.clock)
 
     async def refresh_cluster_facts(self) -> ReconcileSettings:
@@ -134,15 +138,15 @@ class WorkerReconciler:
         pods: Sequence[PodSummary] = (),
         metadata: Mapping[str, DynamoWorkerMetadata] | None = None,
         *,
-        full: bool = True,
         required: Sequence[RequiredAdapter] = (),
+        index: ChildIndex | None = None,
     ) -> Outcome:
         """One reconcile of the DynamoWorker `body` (as the watch delivers it), given its pods
         and their DynamoWorkerMetadata. Raises TransientError when it should be retried.
 
-        `full=False` checks only the Deployment among the children: the refresh a pod or
-        Deployment event asks for (a rollout makes many), where the other children cannot
-        have changed; they are checked by the next full pass (a spec change, a resync).
+        `index` holds the children the watches report (see `reconcile.children`): they are
+        read from it, so a pass over a converged worker sends no request at all; without
+        it (or for a kind it does not watch) they are read from the API server.
 
         `required` are the LoRAAdapters with requiredForReadiness that target this worker:
         while there are any, its pods carry the adapters' readiness gate, set per pod here.
@@ -162,8 +166,6 @@ class WorkerReconciler:
         try:
             children = desired_children(dw, settings, adapters_gate=bool(required))
             desired = [stamped(m) for m in children]
-            if not full:
-                desired = [m for m in desired if m["kind"] == "Deployment"]
         except SpecError as err:
             return await self._write_status(
                 dw,
@@ -177,7 +179,7 @@ class WorkerReconciler:
 
         # Read every child at once; write in order (identity and permissions before the pods
         # that use them), so a run cut short leaves a prefix of the children applied.
-        lives = await asyncio.gather(*(self._read(m) for m in desired))
+        lives = await asyncio.gather(*(self._read(m, index) for m in desired))
         results = [await self._converge(m, live) for m, live in zip(desired, lives, strict=True)]
         child_errors: list[str] = []
         applied: list[str] = []
@@ -193,8 +195,7 @@ class WorkerReconciler:
                 applied.append(what)
             if manifest["kind"] == "Deployment":
                 deployments[manifest["metadata"]["name"]] = result.live
-        if full:
-            await self._remove_unwanted(dw, settings, desired)
+        await self._remove_unwanted(dw, settings, desired, index)
 
         await self._sync_gates(dw, pods, required, transient)
         failures: dict[str, str] = {}
@@ -228,10 +229,14 @@ class WorkerReconciler:
                 raise TransientError(str(err)) from err
             return self.settings  # e.g. no permission to read CRDs: keep the last answer
 
-    async def _read(self, manifest: dict[str, Any]) -> dict[str, Any] | ApiError | None:
+    async def _read(
+        self, manifest: dict[str, Any], index: ChildIndex | None
+    ) -> dict[str, Any] | ApiError | None:
         meta = manifest["metadata"]
         try:
-            return await self.cluster.get(kinds.kind_of(manifest), meta["namespace"], meta["name"])
+            return await self.children.live(
+                index, kinds.kind_of(manifest), meta["namespace"], meta["name"]
+            )
         except ApiError as err:
             return err
 
@@ -246,9 +251,12 @@ class WorkerReconciler:
         if live is not None:
             logger.debug("%s %s differs at %s", manifest["kind"], name, difference(manifest, live))
         try:
-            return _ChildResult(await self.cluster.apply(manifest), applied=True)
+            result = await self.cluster.apply(manifest)
         except ApiError as err:
             return _ChildResult(live, error=err)
+        namespace = manifest["metadata"]["namespace"]
+        self.children.wrote(kinds.kind_of(manifest), namespace, name, result)
+        return _ChildResult(result, applied=True)
 
     async def _sync_gates(
         self,
@@ -270,9 +278,14 @@ class WorkerReconciler:
                     transient.append(f"Pod {pod.name} readiness gate: {err.message}")
 
     async def _remove_unwanted(
-        self, dw: DynamoWorker, settings: ReconcileSettings, desired: Sequence[dict[str, Any]]
+        self,
+        dw: DynamoWorker,
+        settings: ReconcileSettings,
+        desired: Sequence[dict[str, Any]],
+        index: ChildIndex | None,
     ) -> None:
         """Delete children this worker owns and no longer wants (not in `desired`): its
+        NetworkPolicy when spec.networkPolicy is disabled, its
         PodMonitors when spec.metrics stops asking for them, the frontend's children when
         spec.frontend goes. Only what may exist is read: PodMonitors when their CRD exists,
         the frontend's children when status.frontend says they were made (it stays until
@@ -280,7 +293,9 @@ class WorkerReconciler:
         name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
         if not (name and namespace and uid):
             return
-        candidates: list[tuple[kinds.Kind, str]] = []
+        candidates: list[tuple[kinds.Kind, str]] = [
+            (kinds.NETWORK_POLICY, network_policy_name(name))
+        ]
         monitors = settings.pod_monitor_crd
         if monitors:
             candidates.append((kinds.POD_MONITOR, pod_monitor_name(name)))
@@ -292,9 +307,10 @@ class WorkerReconciler:
         for kind, child in candidates:
             if (kind.kind, child) in wanted:
                 continue
-            live = await self.cluster.get(kind, namespace, child)
+            live = await self.children.live(index, kind, namespace, child)
             if live is not None and _owned_by(live, uid):
                 await self.cluster.delete(kind, namespace, child, live["metadata"]["uid"])
+                self.children.wrote(kind, namespace, child, None)
 
     async def _invalid(
         self, meta: Mapping[str, Any], raw_status: Mapping[str, Any], message: str

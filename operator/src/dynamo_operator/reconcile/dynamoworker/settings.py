@@ -15,10 +15,13 @@ class ReconcileSettings:
     private registry (the frontend pods' too). `frontend_image` is used when spec.frontend sets
     no image. `pod_monitor_crd` says
     whether the Prometheus Operator's PodMonitor kind exists in the cluster (spec.metrics
-    `Auto` then picks a PodMonitor over prometheus.io annotations).
+    `Auto` then picks a PodMonitor over prometheus.io annotations). `operator_namespace`: where
+    the operator's pods run (the worker pods' NetworkPolicy admits them from there; from any
+    namespace when unknown).
     """
 
     worker_image: str | None = None
     worker_image_pull_secrets: tuple[str, ...] = ()
     frontend_image: str | None = None
     pod_monitor_crd: bool = False
+    operator_namespace: str | None = None

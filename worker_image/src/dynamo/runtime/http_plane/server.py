@@ -115,16 +115,16 @@ class RequestPlane:
                 serving.streamer.watch(context)
                 return await handler(request, body, context, record)
             except RequestError as exc:
-                metrics.count_error("not_found" if exc.status == 404 else "invalid_argument")
+                serving.failed(record, "not_found" if exc.status == 404 else "invalid_argument")
                 return self._json(openai.error_body(str(exc), exc.status, exc.param), exc.status)
             except asyncio.CancelledError:
                 if record.forced:
                     raise
                 context.kill("client")
-                metrics.cancellations.inc()
+                serving.cancelled(record)
                 raise
             except Exception as exc:
-                return self._json({"error": self._stream_error(exc, context)}, 500)
+                return self._json({"error": self._stream_error(exc, record)}, 500)
 
     def _json(self, body: Any, status: int = 200) -> web.Response:
         data = _json.encode(body)
@@ -150,11 +150,17 @@ class RequestPlane:
         return tokenizer
 
     def _engine_request(
-        self, token_ids: list[int], body: dict[str, Any], *, max_tokens: int | None
+        self,
+        record: InflightRequest,
+        token_ids: list[int],
+        body: dict[str, Any],
+        *,
+        max_tokens: int | None,
     ) -> dict[str, Any]:
-        models = self.serving.models
-        adapter = models.resolve(body.get("model"))
-        max_tokens = self.serving.check_budget(len(token_ids), max_tokens)
+        serving = self.serving
+        models = serving.models
+        adapter = serving.resolve_model(record, body.get("model"))
+        max_tokens = serving.check_budget(record, len(token_ids), max_tokens)
         request: dict[str, Any] = {
             "token_ids": token_ids,
             "model": adapter or models.base,
@@ -185,7 +191,7 @@ class RequestPlane:
                 isinstance(token, int) and not isinstance(token, bool) for token in token_ids
             ):
                 raise RequestError("'token_ids' must be an array of integers", param="token_ids")
-            engine_request = self.serving.token_request(body, token_ids, body.get("model"))
+            engine_request = self.serving.token_request(record, body, token_ids, body.get("model"))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         buffer = OutputBuffer()
@@ -215,7 +221,7 @@ class RequestPlane:
             return True
         except Exception as exc:
             data = buffer.data
-            encode_into({"error": self._stream_error(exc, context)}, data, -1)
+            encode_into({"error": self._stream_error(exc, record)}, data, -1)
             data += b"\n"
             buffer.added()
             return False
@@ -286,7 +292,7 @@ class RequestPlane:
         chat: bool,
     ) -> web.StreamResponse:
         engine_request = self._engine_request(
-            token_ids, body, max_tokens=openai.max_tokens_of(body, chat=chat)
+            record, token_ids, body, max_tokens=openai.max_tokens_of(body, chat=chat)
         )
         model = body.get("model") or self.serving.models.base
         stops = openai.stop_strings(body)
@@ -342,7 +348,7 @@ class RequestPlane:
             usage_chunk = functools.partial(
                 openai.usage_chunk, response_id, created, model, chat=chat
             )
-        produce = self._produce_sse(events, template, buffer, usage_chunk, record.context)
+        produce = self._produce_sse(events, template, buffer, usage_chunk, record)
         return await self._write_stream(response, buffer, produce, record)
 
     async def _produce_sse(
@@ -351,7 +357,7 @@ class RequestPlane:
         template: openai.ChunkTemplate,
         buffer: OutputBuffer,
         usage_chunk: Callable[..., dict[str, Any]] | None,
-        context: Context,
+        record: InflightRequest,
     ) -> bool:
         """Encode the text events as SSE into `buffer`, then the usage event (if asked for)
         and `[DONE]`; False after an error (which becomes an `error` event)."""
@@ -373,7 +379,7 @@ class RequestPlane:
             buffer.added()
             return True
         except Exception as exc:
-            buffer.data += b"event: error\n" + _sse({"error": self._stream_error(exc, context)})
+            buffer.data += b"event: error\n" + _sse({"error": self._stream_error(exc, record)})
             buffer.added()
             return False
 
@@ -388,11 +394,11 @@ class RequestPlane:
         chunks = self.serving.streamer.stream(engine_request, context, record, raw=False)
         return TextEvents(chunks, context, tokenizer, stops, len(engine_request["token_ids"]))
 
-    def _stream_error(self, exc: Exception, context: Context) -> dict[str, Any]:
+    def _stream_error(self, exc: Exception, record: InflightRequest) -> dict[str, Any]:
         if isinstance(exc, RequestError):
-            self._metrics.count_error("invalid_argument")
+            self.serving.failed(record, "invalid_argument")
             return openai.error_body(str(exc), exc.status, exc.param)["error"]
-        self.serving.engine_failed(exc, context.id())
+        self.serving.engine_failed(exc, record)
         return openai.error_body(f"engine error: {exc}", 500)["error"]
 
 

@@ -15,6 +15,9 @@ Routes, with upstream's codes and bodies:
   the cards' allow-list is 404 `Not found`, a listed file that cannot be read 500
   `Failed to read file`;
 * anything else: 404 `Route not found`.
+
+With `admin_auth`, the mutating routes (`/engine/*`, `POST`/`DELETE /v1/loras`) answer only
+callers the API server authorizes (see `auth.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from aiohttp import web
 from dynamo.runtime.card_files import ROUTE_PREFIX, CardFileKey
 from dynamo.runtime.health import HealthState
 from dynamo.runtime.metrics import RuntimeMetrics
+from dynamo.runtime.system import auth
 from dynamo.runtime.system.admin import EngineRoutes
 from dynamo.runtime.system.loras import LoraRoutes
 
@@ -78,6 +82,7 @@ class SystemServer:
         live_path: str = "/live",
         lora_enabled: bool = False,
         card_files: CardFileSource = _no_card_files,
+        admin_auth: auth.AdminAuth | None = None,
     ) -> None:
         self._health = health
         self._metrics = metrics
@@ -87,11 +92,14 @@ class SystemServer:
         self._live_path = live_path
         self._lora_enabled = lora_enabled
         self._card_files = card_files
+        self._admin_auth = admin_auth
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
         """The aiohttp application."""
         app = web.Application()
+        if self._admin_auth is not None:
+            auth.install(app, self._admin_auth)
         app.router.add_get(self._health_path, self._health_handler)
         if self._live_path != self._health_path:
             app.router.add_get(self._live_path, self._health_handler)

@@ -139,7 +139,7 @@ class TcpRequestPlane:
                 try:
                     stream = await ResponseStream.open(control, context)
                 except (OSError, TimeoutError, ControlError) as exc:
-                    metrics.count_error("cannot_connect")
+                    self.serving.failed(record, "cannot_connect")
                     logger.warning(
                         "request %s: cannot call home to %s: %s",
                         context.id(),
@@ -170,9 +170,9 @@ class TcpRequestPlane:
     ) -> None:
         try:
             request = decode_payload(body, control.codec)
-            engine_request = request if self.serving.raw else self._engine_request(request)
+            engine_request = request if self.serving.raw else self._engine_request(record, request)
         except (msgspec.DecodeError, RequestError) as exc:
-            self._metrics.count_error("invalid_argument")
+            self.serving.failed(record, "invalid_argument")
             message = f"request body is not valid {control.codec}: {exc}"
             if isinstance(exc, RequestError):
                 message = str(exc)
@@ -192,18 +192,18 @@ class TcpRequestPlane:
                 else:
                     completed = True
         except RequestError as exc:
-            self._metrics.count_error("invalid_argument")
+            serving.failed(record, "invalid_argument")
             await stream.send(messages.error_item(str(exc), messages.INVALID_ARGUMENT))
         except Exception as exc:
-            serving.engine_failed(exc, context.id())
+            serving.engine_failed(exc, record)
             await stream.send(messages.error_item(f"engine error: {exc}"))
         if stream.cancelled:
-            self._metrics.cancellations.inc()
+            serving.cancelled(record)
         await stream.finish()
         if completed and not stream.cancelled:
             serving.succeeded()
 
-    def _engine_request(self, request: Any) -> dict[str, Any]:
+    def _engine_request(self, record: InflightRequest, request: Any) -> dict[str, Any]:
         """Upstream's PreprocessedRequest as our engine's GenerateRequest: the same fields,
         with `model` resolved to the base model or a loaded adapter and the token budget
         applied (the frontend enforces it too, from the model card)."""
@@ -214,4 +214,4 @@ class TcpRequestPlane:
             raise RequestError("'token_ids' must be an array of integers", param="token_ids")
         routing = request.get("routing")
         lora = routing.get("lora_name") if isinstance(routing, dict) else None
-        return self.serving.token_request(request, token_ids, lora or request.get("model"))
+        return self.serving.token_request(record, request, token_ids, lora or request.get("model"))

@@ -1,0 +1,5 @@
+"""Fixtures of the cluster tests."""
+
+from support.dynamo_workers import crds
+
+__all__ = ["crds"]
