@@ -269,15 +269,16 @@ async def test_with_the_crd_pod_monitor_follows_the_mode(
         assert not set(SCRAPE_ANNOTATIONS) & set(template.metadata.annotations or {})
         assert condition(worker, "Degraded")["status"] == "False", condition(worker, "Degraded")
 
-        # Converged: later resyncs read the PodMonitor and write nothing at all.
+        # Converged: later resyncs read the PodMonitor from the watch-fed index (the CRD
+        # existed at startup), so they neither GET it nor write anything at all.
         writes = await asyncio.to_thread(operator.requests)
         looks = await asyncio.to_thread(operator.requests, ("get",), ("PodMonitor",))
+        passes = await asyncio.to_thread(operator.reconciles)
         await eventually(
-            lambda: asyncio.to_thread(operator.requests, ("get",), ("PodMonitor",)),
-            30,
-            lambda n: n >= looks + 2,
+            lambda: asyncio.to_thread(operator.reconciles), 30, lambda n: n >= passes + 2
         )
         assert await asyncio.to_thread(operator.requests) == writes, operator.log_tail()
+        assert await asyncio.to_thread(operator.requests, ("get",), ("PodMonitor",)) == looks
 
         # Disabled: the operator deletes it (the worker still exists, so not the collector).
         monitor_uid = (await get_pod_monitor(api, namespace, "llm"))["metadata"]["uid"]
