@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,6 +51,8 @@ from dynamo_operator.reconcile.loraadapter.targeting import (
 from dynamo_operator.reconcile.status_writer import StatusWriter
 
 logger = logging.getLogger(__name__)
+# How many reported deletions to remember (a handler re-run comes within seconds).
+REPORTED_DELETIONS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,9 @@ class LoraReconciler:
         self.clock = clock
         self.monotonic = monotonic
         self._adapters: dict[str, _Adapter] = {}
+        # Deletions already reported, by uid: kopf may run the deletion handler again (a
+        # failed finalizer patch), and its Events must still be posted once per deletion.
+        self._reported_deletions: OrderedDict[str, None] = OrderedDict()
         self._status = StatusWriter(cluster, kinds.LORA_ADAPTER, LoRAAdapterStatus)
         self._events = EventRecorder(cluster, reporting_instance, clock)
 
@@ -370,6 +376,11 @@ class LoraReconciler:
             await asyncio.gather(*running, return_exceptions=True)
 
     async def _record_unloads(self, state: _Adapter, name: str, report: UnloadReport) -> None:
+        if state.uid in self._reported_deletions:
+            return
+        self._reported_deletions[state.uid] = None
+        while len(self._reported_deletions) > REPORTED_DELETIONS_KEPT:
+            self._reported_deletions.popitem(last=False)
         if report.unloaded:
             await self._event(
                 state, "Unloaded", f"{name} unloaded from pods {', '.join(report.unloaded)}"
