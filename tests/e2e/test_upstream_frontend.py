@@ -312,19 +312,8 @@ async def test_kv_aware_routing_follows_our_kv_events(
     frontend = await fleet.start_frontend("--router-mode", "kv")
     workers = [sample_worker(fleet, tiny_model) for _ in range(2)]
     await fleet.wait_models(SERVED)
-    channels = fleet.kv / "v1" / "event_channels"
     # Both workers' kv-events channels are advertised, and the frontend subscribed to each.
-    endpoints: list[str] = []
-    deadline = time.monotonic() + 30
-    while len(endpoints) < 2:
-        assert time.monotonic() < deadline, fleet.logs()
-        records = [json.loads(path.read_text()) for path in channels.iterdir()]
-        endpoints = [
-            r["transport"]["config"]["endpoint"] for r in records if r["topic"] == "kv-events"
-        ]
-        await asyncio.sleep(0.05)
-    for endpoint in endpoints:
-        await fleet.wait_frontend_log(f'stream connected endpoint="{endpoint}" topic="kv-events"')
+    await fleet.wait_kv_subscriptions(2)
     # Each worker caches different prompts, served through its own HTTP route: the router
     # learns about them only from the workers' kv-events (4 blocks of 16 tokens each).
     prompts = {

@@ -10,9 +10,7 @@ without either venv.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
@@ -72,18 +70,8 @@ async def test_kv_aware_routing_follows_vllm_kv_events(
     for worker in workers:
         await vllm.wait_ready(worker)
     await fleet.wait_models(SERVED, within=120)
-    channels = fleet.kv / "v1" / "event_channels"
-    endpoints: list[str] = []
-    deadline = time.monotonic() + 30
-    while len(endpoints) < 2:
-        assert time.monotonic() < deadline, fleet.logs()
-        records = [json.loads(path.read_text()) for path in channels.iterdir()]
-        endpoints = [
-            r["transport"]["config"]["endpoint"] for r in records if r["topic"] == "kv-events"
-        ]
-        await asyncio.sleep(0.05)
-    for endpoint in endpoints:
-        await fleet.wait_frontend_log(f'stream connected endpoint="{endpoint}" topic="kv-events"')
+    # Both workers' kv-events channels are advertised, and the frontend subscribed to each.
+    await fleet.wait_kv_subscriptions(2)
     cards = [json.loads(p.read_text()) for p in (fleet.kv / "v1" / "mdc").iterdir()]
     block = next(c.get("card_json", c)["kv_cache_block_size"] for c in cards)
     # Two full blocks per prompt, different per worker and per prompt.

@@ -221,6 +221,24 @@ class UpstreamFleet:
                 raise AssertionError(f"frontend never logged {fragment!r}:\n{self.logs()}")
             await asyncio.sleep(0.05)
 
+    async def wait_kv_subscriptions(self, workers: int, within: float = 30) -> None:
+        """Until `workers` kv-events channels are advertised in the file store and the
+        frontend has connected to each (what KV-aware routing needs before it learns)."""
+        channels = self.kv / "v1" / "event_channels"
+        endpoints: list[str] = []
+        deadline = time.monotonic() + within
+        while len(endpoints) < workers:
+            assert time.monotonic() < deadline, self.logs()
+            records = [json.loads(path.read_text()) for path in channels.iterdir()]
+            endpoints = [
+                r["transport"]["config"]["endpoint"] for r in records if r["topic"] == "kv-events"
+            ]
+            await asyncio.sleep(0.05)
+        for endpoint in endpoints:
+            await self.wait_frontend_log(
+                f'stream connected endpoint="{endpoint}" topic="kv-events"'
+            )
+
     def logs(self) -> str:
         """Every process's recent output, for failure messages."""
         parts = [f"--- {p.log_path.name}\n{p.log()}" for p in self.processes]
