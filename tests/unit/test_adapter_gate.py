@@ -14,7 +14,7 @@ from dynamo_operator.api.loraadapter import LoRAAdapter
 from dynamo_operator.reconcile.dynamoworker.adapter_gate import wanted_condition
 from dynamo_operator.reconcile.dynamoworker.builders import desired_children
 from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.loraadapter.targeting import (
     AdapterRef,

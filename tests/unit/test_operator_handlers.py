@@ -21,7 +21,7 @@ from dynamo_operator.handlers.lifecycle import operator_settings, watcher_proble
 from dynamo_operator.handlers.resync import resync_loop
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile.children import CachedChild
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo
 
 pytestmark = pytest.mark.unit

@@ -21,7 +21,7 @@ from aiohttp import web
 from dynamo.common.model_taints import make_model_taint_handler
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.pods.taints import CONFIRM_WAIT_SECONDS, TaintPusher
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from support.loopback_http import LoopbackHttpServer, serve
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from dynamo_operator.api.dynamoworker import DEFAULT_MAX_LORAS
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary, metadata_by_pod
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary, metadata_by_pod
 from dynamo_operator.reconcile.loraadapter import wake
 from dynamo_operator.reconcile.loraadapter.model import Pod
 from dynamo_operator.reconcile.loraadapter.targeting import (

@@ -14,7 +14,7 @@ from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.dynamoworker import DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
-from dynamo_operator.reconcile.dynamoworker.pods import PodProblem, PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodProblem, PodSummary
 from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
 from dynamo_operator.reconcile.dynamoworker.transitions import note, transitions
 from dynamo_operator.reconcile.events import Regarding, event_manifest

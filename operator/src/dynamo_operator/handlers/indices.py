@@ -25,7 +25,7 @@ from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile.children import CachedChild, ChildKey
 from dynamo_operator.reconcile.dynamoworker.labels import MANAGED_BY, WORKER_LABEL
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary, metadata_by_pod
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary, metadata_by_pod
 from dynamo_operator.reconcile.loraadapter.model import Pod
 from dynamo_operator.reconcile.loraadapter.reconciler import NamespaceView
 from dynamo_operator.reconcile.loraadapter.targeting import AdapterRef, WorkerInfo

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from dynamo_operator.api.common import format_timestamp
 from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 
 
 class RequiredAdapter(Protocol):

@@ -39,7 +39,7 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     pod_monitor_name,
 )
 from dynamo_operator.reconcile.dynamoworker.manifests import wants_pod_monitor
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
 from dynamo_operator.reconcile.dynamoworker.transitions import note, transitions

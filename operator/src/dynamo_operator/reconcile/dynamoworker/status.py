@@ -38,7 +38,7 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     deployment_name,
     selector_string,
 )
-from dynamo_operator.reconcile.dynamoworker.pods import PodProblem, PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodProblem, PodSummary
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from dynamo_operator.api.loraadapter import AdapterPodStatus, AdapterState, LoRAAdapter
 from dynamo_operator.pods.adapters import Listing
-from dynamo_operator.reconcile.dynamoworker.pods import PodSummary
+from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo
 
 Op = Literal["load", "unload"]
