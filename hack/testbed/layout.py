@@ -36,6 +36,34 @@ VETH_PREFIX = "dtb"
 NFT_TABLE = "dtb_netpol"  # NetworkPolicy enforcement (an `ip` family table)
 
 
+# The process node ignores images, with one exception: a container whose image is in
+# `image_venvs()` runs with that venv's interpreter and tools first on PATH, not the project
+# venv's. vLLM's worker image runs in vLLM's venv (hack/vllm-venv; vLLM's pins conflict with
+# the project venv's), as the real image would run vLLM.
+VLLM_WORKER_IMAGE = "dynamo-worker-vllm:testbed"
+VLLM_VENV_ENV = "DYNAMO_VLLM_VENV"
+
+
+def vllm_venv() -> Path:
+    """Where hack/vllm-venv puts vLLM's venv: $DYNAMO_VLLM_VENV, else the cache folder named
+    after the vLLM pin (read from the script, its one place)."""
+    if os.environ.get(VLLM_VENV_ENV):
+        return Path(os.environ[VLLM_VENV_ENV])
+    script = (HACK_DIR / "vllm-venv").read_text()
+    version = next(
+        line.split("=", 1)[1].strip()
+        for line in script.splitlines()
+        if line.startswith("VLLM_VERSION=")
+    )
+    return Path.home() / ".cache" / "dynamo-testbed" / f"vllm-venv-{version}"
+
+
+def image_venvs() -> dict[str, Path]:
+    """Image -> the venv its containers run in (read from the environment the process node
+    starts with, so `DYNAMO_VLLM_VENV=... hack/cluster up` moves it)."""
+    return {VLLM_WORKER_IMAGE: vllm_venv()}
+
+
 def read_versions() -> dict[str, str]:
     """The pinned component versions from hack/versions.env (the one place they live)."""
     versions: dict[str, str] = {}

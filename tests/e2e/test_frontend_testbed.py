@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, TypeVar, get_args
 
 import aiohttp
@@ -27,7 +26,6 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_operator.api.dynamoworker import RouterMode
 from dynamo_operator.reconcile.dynamoworker.interface import FrontendEnv
@@ -40,6 +38,12 @@ from support.operator_namespace import (
     OperatorNamespace,
     operator_namespace,
 )
+from support.testbed_workers import (
+    kv_event_endpoints,
+    kv_routes,
+    requests_served,
+    wait_kv_subscriptions,
+)
 from support.tiny_model import TinyModel
 from support.upstream import SAMPLE_ENGINE, post_sse, upstream_python
 
@@ -49,8 +53,6 @@ WORKER = "tiny"
 SERVED = "tiny-llama"
 FRONTEND = f"{WORKER}-frontend"
 T = TypeVar("T")
-# Colour codes in the frontend's log lines (its Rust logger colours them).
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Bed(OperatorNamespace):
@@ -74,21 +76,6 @@ def ready(obj: dict[str, Any]) -> str | None:
         if condition["type"] == "Ready":
             return str(condition["status"])
     return None
-
-
-async def requests_served(ip: str) -> float:
-    """dynamo_component_requests_total on the worker pod at `ip`."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://{ip}:9090/metrics") as response,
-    ):
-        text = await response.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "dynamo_component_requests_total"
-    )
 
 
 def test_frontend_env_and_router_modes_are_upstreams() -> None:
@@ -246,34 +233,6 @@ async def frontend_pod(bed: Bed) -> Any:
     return pod
 
 
-async def kv_event_endpoints(bed: Bed) -> dict[str, str]:
-    """Pod IP -> the ZMQ endpoint of its kv-events channel, from its DynamoWorkerMetadata."""
-    found: dict[str, str] = {}
-    for pod in (
-        await bed.core.list_namespaced_pod(
-            bed.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
-        )
-    ).items:
-        record = await bed.custom.get_namespaced_custom_object(
-            "nvidia.com", "v1alpha1", bed.namespace, "dynamoworkermetadatas", pod.metadata.name
-        )
-        for channel in record["spec"]["data"]["event_channels"].values():
-            if channel["topic"] == "kv-events":
-                found[pod.status.pod_ip] = channel["transport"]["config"]["endpoint"]
-    return found
-
-
-async def generate_on(ip: str, token_ids: list[int]) -> None:
-    """One request to a worker's own HTTP route (it caches the prompt's KV blocks)."""
-    body = {"token_ids": token_ids, "stop_conditions": {"max_tokens": 1}}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"http://{ip}:8000/v1/generate", json=body) as response,
-    ):
-        assert response.status == 200
-        await response.read()
-
-
 async def test_kv_aware_routing_across_pods(bed: Bed, testbed: Cluster) -> None:
     await bed.custom.patch_namespaced_custom_object(
         GROUP, VERSION, bed.namespace, "dynamoworkers", WORKER,
@@ -289,39 +248,18 @@ async def test_kv_aware_routing_across_pods(bed: Bed, testbed: Cluster) -> None:
     pod = await bed.eventually("a kv-mode frontend", kv_frontend, 120, lambda p: p is not None)
     ips = await bed.worker_pod_ips()
     endpoints = await bed.eventually(
-        "kv-events channels", lambda: kv_event_endpoints(bed), 30, lambda e: len(e) == 2
+        "kv-events channels", lambda: kv_event_endpoints(bed, WORKER), 30, lambda e: len(e) == 2
     )
-    # The frontend subscribes to each worker's kv-events over the pod network; events sent
-    # before that are lost, so wait for its log to say so (the process node keeps the log).
-    log = Path(testbed.kubeconfig).parent / "pods" / pod.metadata.uid / "main.log"
-
-    async def subscribed() -> set[str]:
-        text = ANSI_ESCAPE.sub("", await asyncio.to_thread(log.read_text))
-        return {e for e in endpoints.values() if f'endpoint="{e}" topic="kv-events"' in text}
-
-    await bed.eventually(
-        "subscribed to both kv-events", subscribed, 60, lambda found: len(found) == 2
-    )
+    # The frontend subscribes to each worker's kv-events over the pod network.
+    await wait_kv_subscriptions(bed, testbed, pod, endpoints)
     service = await bed.core.read_namespaced_service(FRONTEND, bed.namespace)
     url = f"http://{service.spec.cluster_ip}:8000/v1/completions"
-    # Each worker caches other prompts (4 blocks of 16 tokens each), through its own route:
-    # the router learns of them only from the workers' kv-events.
+    # Each worker caches other prompts (4 blocks of 16 tokens each).
     prompts = {
         ip: [[100 + 50 * index + 7 * n + j % 40 for j in range(64)] for n in range(3)]
         for index, ip in enumerate(ips)
     }
-    for ip, worker_prompts in prompts.items():
-        for prompt in worker_prompts:
-            await generate_on(ip, prompt)
-    routed = []
-    for ip, worker_prompts in prompts.items():
-        for prompt in worker_prompts:
-            before = {w: await requests_served(w) for w in ips}
-            body = {"model": SERVED, "prompt": prompt, "max_tokens": 2}
-            async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
-                assert r.status == 200, await r.text()
-            after = {w: await requests_served(w) for w in ips}
-            routed.append((ip, [w for w in ips if after[w] > before[w]]))
+    routed = await kv_routes(url, SERVED, prompts)
     # Random placement would get all six right one time in 64.
     assert routed == [(ip, [ip]) for ip in ips for _ in range(3)], routed
 

@@ -164,6 +164,41 @@ _VALID = [
         ),
     ),
     ("dw-network-policy-off", dynamo_worker(spec={"networkPolicy": {"enabled": False}})),
+    (
+        "dw-vllm",
+        dynamo_worker(
+            spec={
+                "engine": {
+                    "name": "vllm",
+                    "extraArgs": ["--gpu-memory-utilization", "0.9", "--enable-prefix-caching"],
+                },
+                "resources": {"gpusPerPod": 4},
+                "dataParallel": {"size": 2},
+                "lora": {"enabled": True, "maxLoras": 8},
+                "tokenBudget": {"combinedLimit": 4096},
+            }
+        ),
+    ),
+    (
+        # On the CPU the spec sets no tensor parallelism, so extraArgs may.
+        "dw-vllm-cpu-tensor-parallel",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm", "extraArgs": ["--tensor-parallel-size", "2"]},
+                "resources": {"gpusPerPod": 0},
+            }
+        ),
+    ),
+    (
+        # Only the vLLM engine takes its context from the token budget.
+        "dw-reference-engine-max-model-len",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "transformers", "extraArgs": ["--max-model-len", "512"]},
+                "tokenBudget": {"combinedLimit": 4096},
+            }
+        ),
+    ),
     ("lora-minimal", lora_adapter()),
     ("lora-full", FULL_LORA_ADAPTER),
     ("lora-hf-bare-repo", lora_adapter(spec={"source": {"uri": "hf://gpt2-lora@main"}})),
@@ -260,6 +295,73 @@ _INVALID = [
         "dw-engine-class",
         dynamo_worker(spec={"engine": {"class": "not a class"}}),
         "spec.engine.class",
+    ),
+    Invalid(
+        "dw-engine-name-and-class",
+        dynamo_worker(spec={"engine": {"name": "vllm", "class": "my.engines:Fast"}}),
+        "spec.engine",
+        "spec.engine: set name or class, not both",
+    ),
+    Invalid(
+        "dw-engine-name-unknown",
+        dynamo_worker(spec={"engine": {"name": "sglang"}}),
+        "spec.engine.name",
+    ),
+    Invalid(
+        "dw-vllm-tensor-parallel-repeated",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm", "extraArgs": ["--tensor-parallel-size=2"]},
+                "resources": {"gpusPerPod": 2},
+            }
+        ),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --tensor-parallel-size: spec.resources.gpusPerPod",
+    ),
+    Invalid(
+        "dw-vllm-class-tensor-parallel-alias",
+        dynamo_worker(
+            spec={"engine": {"class": "dynamo.engines.vllm:VllmEngine", "extraArgs": ["-tp", "1"]}}
+        ),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --tensor-parallel-size",
+    ),
+    Invalid(
+        "dw-vllm-max-model-len-repeated",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm", "extraArgs": ["--max_model_len", "8192"]},
+                "tokenBudget": {"combinedLimit": 4096},
+            }
+        ),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --max-model-len: spec.tokenBudget.combinedLimit",
+    ),
+    Invalid(
+        "dw-extra-args-max-loras",
+        dynamo_worker(
+            spec={"engine": {"extraArgs": ["--max-loras", "3"]}, "lora": {"enabled": True}}
+        ),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --max-loras: spec.lora.maxLoras",
+    ),
+    Invalid(
+        "dw-extra-args-model",
+        dynamo_worker(spec={"engine": {"extraArgs": ["--model", "/elsewhere"]}}),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --model: spec.model.source",
+    ),
+    Invalid(
+        "dw-vllm-gpus-not-a-multiple-of-ranks",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm"},
+                "resources": {"gpusPerPod": 3},
+                "dataParallel": {"size": 2},
+            }
+        ),
+        "spec.resources.gpusPerPod",
+        "spec.resources.gpusPerPod must be a multiple of spec.dataParallel.size",
     ),
     Invalid(
         "dw-memory", dynamo_worker(spec={"resources": {"memory": "lots"}}), "spec.resources.memory"

@@ -248,6 +248,7 @@ def test_values_reach_the_operator(helm: Path) -> None:
     values = {
         "workerDefaults": {
             "image": "registry.example.com/dynamo-worker:1.2",
+            "vllmImage": "registry.example.com/dynamo-worker-vllm:1.2",
             "imagePullSecrets": [{"name": "worker-pull"}, {"name": "mirror-pull"}],
             "frontendImage": "registry.example.com/dynamo-frontend:1.6.1",
         },
@@ -266,6 +267,7 @@ def test_values_reach_the_operator(helm: Path) -> None:
     assert main["args"][-1] == "--verbose"
     args = cli._parser().parse_args(main["args"][:-1])
     assert args.worker_image == "registry.example.com/dynamo-worker:1.2"
+    assert args.vllm_worker_image == "registry.example.com/dynamo-worker-vllm:1.2"
     assert args.worker_image_pull_secrets == ["worker-pull", "mirror-pull"]
     assert args.frontend_image == "registry.example.com/dynamo-frontend:1.6.1"
     assert args.quiet

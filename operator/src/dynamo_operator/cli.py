@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         help="worker image for DynamoWorkers without spec.image (env DYNAMO_WORKER_IMAGE)",
     )
     run.add_argument(
+        "--vllm-worker-image",
+        default=os.environ.get("DYNAMO_VLLM_WORKER_IMAGE"),
+        help="worker image for vLLM-engine DynamoWorkers without spec.image (build it from "
+        "worker_image/Dockerfile.vllm; env DYNAMO_VLLM_WORKER_IMAGE)",
+    )
+    run.add_argument(
         "--frontend-image",
         default=os.environ.get("DYNAMO_FRONTEND_IMAGE"),
         help="upstream Dynamo frontend image for a spec.frontend without an image "
@@ -123,6 +129,7 @@ def _run(args: argparse.Namespace) -> int:
             namespaces=tuple(args.namespaces or ()),
             all_namespaces=args.all_namespaces,
             worker_image=args.worker_image,
+            vllm_worker_image=args.vllm_worker_image,
             worker_image_pull_secrets=tuple(args.worker_image_pull_secrets or ()),
             frontend_image=args.frontend_image,
             metrics_port=args.metrics_port,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, ClassVar, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, field_validator
 
@@ -55,6 +57,14 @@ MAX_NAME_LENGTH = 50
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _DOTTED_NAME = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 ENGINE_CLASS_PATTERN = f"^{_DOTTED_NAME}:{_DOTTED_NAME}$"
+# The worker's engines by name (`dynamo-worker --engine NAME`; runtime/cli.py ENGINE_NAMES).
+EngineName = Literal["transformers", "vllm"]
+VLLM_ENGINE_CLASS = "dynamo.engines.vllm:VllmEngine"
+# CEL: the spec (self) names the vLLM engine, either way (mirrors Engine.is_vllm).
+_CEL_VLLM = (
+    "(has(self.engine) && ((has(self.engine.name) && self.engine.name == 'vllm') || "
+    f"(has(self.engine.class) && self.engine.class == '{VLLM_ENGINE_CLASS}')))"
+)
 # A routing taint as the frontend matches it, e.g. `gpu=h100`: printable ASCII, no spaces.
 TAINT_PATTERN = r"^[!-~]+$"
 Taint = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=TAINT_PATTERN)]
@@ -106,20 +116,41 @@ class ServedModel(ApiModel):
 
 
 class Engine(ApiModel):
-    """The engine the worker runs."""
+    """The engine the worker runs: one of the worker's engines by name, or any engine class;
+    the reference engine (transformers) when neither is set."""
 
+    name: EngineName | None = Field(
+        default=None,
+        description="A worker engine by name: transformers (the reference engine) or vllm "
+        "(vLLM's AsyncLLM; the operator derives --tensor-parallel-size from "
+        "resources.gpusPerPod and --max-model-len from tokenBudget.combinedLimit).",
+    )
     engine_class: str | None = Field(
         default=None,
         alias="class",
         max_length=256,
         pattern=ENGINE_CLASS_PATTERN,
-        description="Engine class as module:Class (an LLMEngine); the reference engine when unset.",
+        description="Engine class as module:Class (an LLMEngine), instead of name.",
     )
     extra_args: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(
         default_factory=list,
         max_length=64,
-        description="Extra command-line arguments passed to the engine, in order.",
+        description="Extra command-line arguments passed to the engine, in order (for vllm: "
+        "any of vLLM's engine arguments); not those the operator sets from the spec.",
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+
+    @property
+    def is_vllm(self) -> bool:
+        """The vLLM engine, named either way."""
+        return self.name == "vllm" or self.engine_class == VLLM_ENGINE_CLASS
+
+    cel_rules = (
+        Rule(
+            rule="!(has(self.name) && has(self.class))",
+            message="spec.engine: set name or class, not both",
+            check=lambda e: e.name is None or e.engine_class is None,
+        ),
     )
 
 
@@ -450,6 +481,80 @@ class Frontend(ApiModel):
     pod: PodOverrides | None = Field(default=None, description="Additions to the frontend pods.")
 
 
+TENSOR_PARALLEL_FLAG = "--tensor-parallel-size"
+MAX_MODEL_LEN_FLAG = "--max-model-len"
+
+
+@dataclass(frozen=True)
+class OwnedFlag:
+    """An engine flag the operator sets from a spec field: spec.engine.extraArgs must not
+    repeat it (the engine's parser takes the later one, silently overriding the field).
+    `cel_when` and `when` (CEL and Python, on the spec) say when the operator sets it."""
+
+    spellings: tuple[str, ...]
+    field: str
+    cel_when: str
+    when: Callable[[Any], bool]
+
+    def cel_set_in_extra_args(self) -> str:
+        """CEL: an extra argument spells this flag (vLLM also reads `_` for `-`)."""
+        tests = " || ".join(
+            f"a.replace('_', '-') == '{s}' || a.replace('_', '-').startsWith('{s}=')"
+            for s in self.spellings
+        )
+        return f"has(self.engine) && self.engine.extraArgs.exists(a, {tests})"
+
+    def set_in(self, extra_args: list[str]) -> bool:
+        """Python: the same test."""
+        flags = (a.replace("_", "-") for a in extra_args)
+        return any(f == s or f.startswith(s + "=") for f in flags for s in self.spellings)
+
+    def rule(self) -> Rule:
+        return Rule(
+            rule=f"!({self.cel_when}) || !({self.cel_set_in_extra_args()})",
+            message=f"spec.engine.extraArgs must not set {self.spellings[0]}: {self.field} "
+            "sets it; change that field instead",
+            check=lambda s: not (self.when(s) and self.set_in(s.engine.extra_args)),
+            field_path=".engine.extraArgs",
+        )
+
+
+# What the operator passes the engine (reconcile/dynamoworker/interface.py, engine_args.py).
+OWNED_FLAGS = (
+    OwnedFlag(("--model",), "spec.model.source", "true", lambda s: True),
+    OwnedFlag(
+        ("--served-model-name",), "spec.model (servedModelName, else name)", "true", lambda s: True
+    ),
+    OwnedFlag(
+        ("--max-loras",),
+        "spec.lora.maxLoras",
+        "has(self.lora) && self.lora.enabled",
+        lambda s: s.lora.enabled,
+    ),
+    OwnedFlag(("--data-parallel-size", "-dp"), "spec.dataParallel.size", "true", lambda s: True),
+    OwnedFlag(
+        ("--data-parallel-start-rank", "-dpr"),
+        "spec.dataParallel.startRank",
+        "true",
+        lambda s: True,
+    ),
+    OwnedFlag(
+        (TENSOR_PARALLEL_FLAG, "-tp"),
+        "spec.resources.gpusPerPod (over dataParallel.size)",
+        f"{_CEL_VLLM} && has(self.resources) && self.resources.gpusPerPod > 0",
+        lambda s: s.engine.is_vllm and s.resources.gpus_per_pod > 0,
+    ),
+    OwnedFlag(
+        (MAX_MODEL_LEN_FLAG,),
+        "spec.tokenBudget.combinedLimit",
+        f"{_CEL_VLLM} && has(self.tokenBudget) && self.tokenBudget.combinedLimit > 0",
+        lambda s: (
+            s.engine.is_vllm and s.token_budget is not None and s.token_budget.combined_limit > 0
+        ),
+    ),
+)
+
+
 class DynamoWorkerSpec(ApiModel):
     """The desired state of a DynamoWorker."""
 
@@ -511,6 +616,18 @@ class DynamoWorkerSpec(ApiModel):
             ),
             field_path=".dataParallel.size",
         ),
+        Rule(
+            rule=f"!{_CEL_VLLM} || !has(self.resources) || self.resources.gpusPerPod == 0 || "
+            "!has(self.dataParallel) || self.resources.gpusPerPod % self.dataParallel.size == 0",
+            message="spec.resources.gpusPerPod must be a multiple of spec.dataParallel.size "
+            "with the vLLM engine (each rank runs on gpusPerPod / size GPUs, as tensor "
+            "parallelism)",
+            check=lambda s: (
+                not s.engine.is_vllm or s.resources.gpus_per_pod % s.data_parallel.size == 0
+            ),
+            field_path=".resources.gpusPerPod",
+        ),
+        *(flag.rule() for flag in OWNED_FLAGS),
     )
 
     @field_validator("model_taints")

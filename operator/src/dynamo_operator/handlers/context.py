@@ -108,6 +108,7 @@ class OperatorContext:
             cluster,
             ReconcileSettings(
                 worker_image=self.config.worker_image,
+                vllm_worker_image=self.config.vllm_worker_image,
                 worker_image_pull_secrets=self.config.worker_image_pull_secrets,
                 frontend_image=self.config.frontend_image,
                 operator_namespace=self.config.operator_namespace,

@@ -31,6 +31,7 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()
     all_namespaces: bool = False
     worker_image: str | None = None
+    vllm_worker_image: str | None = None
     worker_image_pull_secrets: tuple[str, ...] = ()
     frontend_image: str | None = None
     metrics_port: int = 8080

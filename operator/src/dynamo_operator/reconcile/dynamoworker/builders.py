@@ -176,12 +176,18 @@ def _probe(path: str, timings: dict[str, int]) -> Manifest:
 
 
 def worker_image(dw: DynamoWorker, settings: ReconcileSettings) -> str:
-    """spec.image, else the operator's default worker image."""
-    image = dw.spec.image or settings.worker_image
+    """spec.image, else the operator's default image for the engine: the vLLM image for the
+    vLLM engine (the reference image has no vLLM), the worker image for the others."""
+    if dw.spec.image:
+        return dw.spec.image
+    if dw.spec.engine.is_vllm:
+        image, what, flag = settings.vllm_worker_image, "vLLM worker image", "--vllm-worker-image"
+    else:
+        image, what, flag = settings.worker_image, "worker image", "--worker-image"
     if not image:
         raise SpecError(
-            "spec.image is unset and the operator has no default worker image; set spec.image "
-            "or run the operator with --worker-image"
+            f"spec.image is unset and the operator has no default {what}; set spec.image "
+            f"or run the operator with {flag}"
         )
     return image
 

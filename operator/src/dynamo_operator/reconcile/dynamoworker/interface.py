@@ -13,6 +13,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from dynamo_operator.api.dynamoworker import Drain, DynamoWorkerSpec
+from dynamo_operator.reconcile.dynamoworker.engine_args import engine_args
 
 CONTAINER_NAME = "main"
 COMMAND = ["dynamo-worker"]
@@ -146,12 +147,14 @@ def termination_grace_period_seconds(drain: Drain) -> int:
 
 
 def worker_args(spec: DynamoWorkerSpec) -> list[str]:
-    """`dynamo-worker` arguments: the model and the name clients use, the engine, the
-    data-parallel layout; spec.engine.extraArgs after `--` (the worker hands them to the
-    engine). Aliases are not passed: the worker has no option for them yet."""
+    """`dynamo-worker` arguments: the model and the name clients use, the engine (by name
+    or class), the data-parallel layout; after `--` (the worker hands them to the engine) the
+    engine flags the spec implies (`engine_args`), then spec.engine.extraArgs. Aliases are
+    not passed: the worker has no option for them yet."""
     args = ["--model", spec.model.source, "--served-model-name", spec.model.served_name]
-    if spec.engine.engine_class is not None:
-        args += ["--engine", spec.engine.engine_class]
+    engine = spec.engine.name or spec.engine.engine_class
+    if engine is not None:
+        args += ["--engine", engine]
     if spec.data_parallel.size != 1 or spec.data_parallel.start_rank != 0:
         args += [
             "--data-parallel-size",
@@ -159,6 +162,7 @@ def worker_args(spec: DynamoWorkerSpec) -> list[str]:
             "--data-parallel-start-rank",
             str(spec.data_parallel.start_rank),
         ]
-    if spec.engine.extra_args:
-        args += ["--", *spec.engine.extra_args]
+    passed = [*engine_args(spec), *spec.engine.extra_args]
+    if passed:
+        args += ["--", *passed]
     return args

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 class ReconcileSettings:
     """Operator-wide inputs of the builders.
 
-    `worker_image` is used when a DynamoWorker sets no spec.image, and
+    `worker_image` is used when a DynamoWorker sets no spec.image (`vllm_worker_image` when
+    its engine is vLLM), and
     `worker_image_pull_secrets` (Secret names) are the worker pods' imagePullSecrets, for a
     private registry (the frontend pods' too). `frontend_image` is used when spec.frontend sets
     no image. `pod_monitor_crd` says
@@ -21,6 +22,7 @@ class ReconcileSettings:
     """
 
     worker_image: str | None = None
+    vllm_worker_image: str | None = None
     worker_image_pull_secrets: tuple[str, ...] = ()
     frontend_image: str | None = None
     pod_monitor_crd: bool = False

@@ -1,0 +1,117 @@
+"""Questions the e2e tests ask about a DynamoWorker's pods on the test bed and the upstream
+frontend in front of them: requests served and in flight (from each pod's /metrics), each
+pod's kv-events channel (from its DynamoWorkerMetadata), whether the frontend subscribed to
+them (from its log, which the process node keeps), and where KV-aware routing sends prompts
+each pod cached through its own route."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.cluster import Cluster
+from support.operator_namespace import OperatorNamespace
+
+# Colour codes in the frontend's log lines (its Rust logger colours them).
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+async def worker_metric(ip: str, name: str) -> float:
+    """The sum of metric `name` over its label sets, on the worker pod at `ip`."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://{ip}:9090/metrics") as response,
+    ):
+        text = await response.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+async def requests_served(ip: str) -> float:
+    """dynamo_component_requests_total on the worker pod at `ip`."""
+    return await worker_metric(ip, "dynamo_component_requests_total")
+
+
+async def worker_pods(space: OperatorNamespace, worker: str) -> list[Any]:
+    """The DynamoWorker's pods that are not being deleted, by name."""
+    listing = await space.core.list_namespaced_pod(
+        space.namespace, label_selector=f"dynamo.dev/worker={worker}"
+    )
+    return sorted(
+        (p for p in listing.items if p.metadata.deletion_timestamp is None),
+        key=lambda p: p.metadata.name,
+    )
+
+
+async def kv_event_endpoints(space: OperatorNamespace, worker: str) -> dict[str, str]:
+    """Pod IP -> the ZMQ endpoint of its kv-events channel, from its DynamoWorkerMetadata."""
+    found: dict[str, str] = {}
+    for pod in await worker_pods(space, worker):
+        record = await space.custom.get_namespaced_custom_object(
+            "nvidia.com", "v1alpha1", space.namespace, "dynamoworkermetadatas", pod.metadata.name
+        )
+        for channel in record["spec"]["data"]["event_channels"].values():
+            if channel["topic"] == "kv-events":
+                found[pod.status.pod_ip] = channel["transport"]["config"]["endpoint"]
+    return found
+
+
+async def wait_kv_subscriptions(
+    space: OperatorNamespace, testbed: Cluster, frontend_pod: Any, endpoints: dict[str, str]
+) -> None:
+    """Until the frontend pod's log says it subscribed to every kv-events endpoint (events
+    sent before that are lost)."""
+    log = Path(testbed.kubeconfig).parent / "pods" / frontend_pod.metadata.uid / "main.log"
+
+    async def subscribed() -> set[str]:
+        text = ANSI_ESCAPE.sub("", await asyncio.to_thread(log.read_text))
+        return {e for e in endpoints.values() if f'endpoint="{e}" topic="kv-events"' in text}
+
+    await space.eventually(
+        "subscribed to every kv-events channel",
+        subscribed,
+        60,
+        lambda found: len(found) == len(endpoints),
+    )
+
+
+async def generate_on(ip: str, token_ids: list[int]) -> None:
+    """One request to a worker's own HTTP route (it caches the prompt's KV blocks)."""
+    body = {"token_ids": token_ids, "stop_conditions": {"max_tokens": 1}}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://{ip}:8000/v1/generate", json=body) as response,
+    ):
+        assert response.status == 200
+        await response.read()
+
+
+async def kv_routes(
+    url: str, model: str, prompts: dict[str, list[list[int]]]
+) -> list[tuple[str, list[str]]]:
+    """Cache each pod's `prompts` (by pod IP) through its own route, so that the router learns
+    of them only from kv-events; then send each through the frontend at `url`
+    (`/v1/completions`). Per prompt: the pod that cached it, and the pods that served it."""
+    for ip, cached in prompts.items():
+        for prompt in cached:
+            await generate_on(ip, prompt)
+    ips = list(prompts)
+    routed = []
+    for ip, cached in prompts.items():
+        for prompt in cached:
+            before = {w: await requests_served(w) for w in ips}
+            body = {"model": model, "prompt": prompt, "max_tokens": 2}
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+                assert r.status == 200, await r.text()
+            after = {w: await requests_served(w) for w in ips}
+            routed.append((ip, [w for w in ips if after[w] > before[w]]))
+    return routed
