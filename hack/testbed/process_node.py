@@ -4,12 +4,16 @@ bound to it as local processes, each pod in its own network namespace with its p
 It registers its Node (advertising `nvidia.com/gpu`, tainted so that only pods that tolerate
 it land here), renews its Lease, and for each pod bound to it: allocates a pod IP, creates
 the pod's network namespace, resolves the env (values, downward-API fields, Secret and
-ConfigMap keys), mounts a bound service-account token, runs each container's command, runs
+ConfigMap keys), mounts a bound service-account token (and projected ones; `tokens` renews
+them before they expire), runs each container's command, runs
 its probes, writes the pod's status through `pods/status`, restarts exited containers per the
 restart policy, honours readiness gates (Ready waits for each gate's condition, which a
-controller writes and this agent never overwrites), and on deletion sends SIGTERM, waits the
-grace period, SIGKILLs, removes the namespace and finalizes the pod. Images are ignored: a
-container must name its command.
+controller writes and this agent never overwrites), and on deletion sends SIGTERM (to the
+container's main process, as a container runtime does), waits the grace period, SIGKILLs
+every process of the container, removes the namespace and finalizes the pod. Images are
+ignored: a container must name its command (which runs with the project venv's `python`
+first on PATH, or the venv `layout.image_venvs` maps its image to: vLLM's for the vLLM
+worker image).
 
 For the kubelet API (hack/testbed/kubelet, a separate server the API server calls for logs,
 exec, attach and port-forward) it keeps each container's output in CRI log files, one per
@@ -52,9 +56,11 @@ from .layout import (
     REPO_DIR,
     Layout,
     Ports,
+    image_venvs,
     read_versions,
 )
 from .policy_agent import PolicyAgent
+from .tokens import TokenFile, TokenKeeper
 
 log = logging.getLogger("process-node")
 
@@ -234,7 +240,9 @@ class ProcessNode:
         self.ips = IpPool(PROCESS_NODE_POD_CIDR)
         self.pods: dict[str, PodRun] = {}  # by uid
         self.node_uid = ""
+        self.image_venvs = image_venvs()
         self.policy = PolicyAgent(api, node_name, self._local_pods)
+        self.tokens = TokenKeeper(self.core)
 
     def _local_pods(self) -> dict[str, tuple[str, str]]:
         return {uid: (network.veth_name(uid), run.pod_ip) for uid, run in self.pods.items()}
@@ -400,31 +408,17 @@ class ProcessNode:
         binds: list[tuple[str, str]] = []
         spec = pod["spec"]
         sa = spec.get("serviceAccountName") or "default"
+        due: dict[TokenFile, float] = {}  # every token file of the pod, and when to renew it
         if spec.get("automountServiceAccountToken", True):
             token_dir = run.directory / "serviceaccount"
             token_dir.mkdir(exist_ok=True)
-            request: Any = {
-                "apiVersion": "authentication.k8s.io/v1",
-                "kind": "TokenRequest",
-                "spec": {
-                    "audiences": [],
-                    "expirationSeconds": 86400,
-                    "boundObjectRef": {
-                        "apiVersion": "v1",
-                        "kind": "Pod",
-                        "name": run.name,
-                        "uid": run.uid,
-                    },
-                },
-            }
-            token = await self.core.create_namespaced_service_account_token(
-                sa, run.namespace, request
-            )
-            (token_dir / "token").write_text(token.status.token)
+            token = TokenFile(token_dir / "token", run.namespace, sa, run.name, run.uid, (), 86400)
+            due[token] = await self.tokens.issue(token)
             shutil.copy(self.layout.pki / "ca.crt", token_dir / "ca.crt")
             (token_dir / "namespace").write_text(run.namespace)
             binds.append((str(token_dir), SA_MOUNT))
-        binds += await self._projected_tokens(pod, run)
+        binds += await self._projected_tokens(pod, run, due)
+        run.tasks.append(asyncio.create_task(self.tokens.keep_fresh(due)))
         empty_dirs = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
         for container in spec["containers"]:
             for mount in container.get("volumeMounts") or []:
@@ -447,10 +441,12 @@ class ProcessNode:
                 binds.append((str(host), mount["mountPath"]))
         return binds
 
-    async def _projected_tokens(self, pod: dict[str, Any], run: PodRun) -> list[tuple[str, str]]:
+    async def _projected_tokens(
+        self, pod: dict[str, Any], run: PodRun, due: dict[TokenFile, float]
+    ) -> list[tuple[str, str]]:
         """Projected volumes made only of serviceAccountToken sources (a token for an audience
-        of the pod's choosing, e.g. the operator's for its workers), written once at start:
-        unlike the kubelet, the agent does not rotate them before they expire."""
+        of the pod's choosing, e.g. the operator's for its workers); each token goes into
+        `due`, to be renewed before it expires (`tokens.TokenKeeper`)."""
         spec = pod["spec"]
         sa = spec.get("serviceAccountName") or "default"
         found: dict[str, Path] = {}
@@ -462,21 +458,12 @@ class ProcessNode:
             folder.mkdir(parents=True, exist_ok=True)
             for source in sources:
                 token_spec = source["serviceAccountToken"]
-                request: Any = {
-                    "apiVersion": "authentication.k8s.io/v1",
-                    "kind": "TokenRequest",
-                    "spec": {
-                        "audiences": [token_spec["audience"]] if token_spec.get("audience") else [],
-                        "expirationSeconds": int(token_spec.get("expirationSeconds") or 3600),
-                        "boundObjectRef": {
-                            "apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid,
-                        },
-                    },
-                }  # fmt: skip
-                token = await self.core.create_namespaced_service_account_token(
-                    sa, run.namespace, request
-                )
-                (folder / token_spec["path"]).write_text(token.status.token)
+                token = TokenFile(
+                    folder / token_spec["path"], run.namespace, sa, run.name, run.uid,
+                    audiences=(token_spec["audience"],) if token_spec.get("audience") else (),
+                    expiration_seconds=int(token_spec.get("expirationSeconds") or 3600),
+                )  # fmt: skip
+                due[token] = await self.tokens.issue(token)
             found[volume["name"]] = folder
         return [
             (str(found[mount["name"]]), mount["mountPath"])
@@ -493,6 +480,7 @@ class ProcessNode:
             REPO_DIR,
             self.layout.root,
             run.directory,
+            *self.image_venvs.values(),
         ]
         return any(path.resolve().is_relative_to(target) for path in needed)
 
@@ -500,8 +488,9 @@ class ProcessNode:
         self, pod: dict[str, Any], container: dict[str, Any], run: PodRun
     ) -> dict[str, str]:
         env: dict[str, str] = {
-            # The agent's own interpreter first: `python` in a pod is the project's venv.
-            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            # The agent's own interpreter first: `python` in a pod is the project's venv (or
+            # the venv its image maps to).
+            "PATH": f"{self._bin_dir(container)}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             "HOME": str(run.directory),
             "HOSTNAME": run.name,
             # As the kubelet does for the `kubernetes` Service; the ClusterIP routes nowhere
@@ -535,6 +524,10 @@ class ProcessNode:
                 kind, _, res = source["resourceFieldRef"]["resource"].partition(".")
                 env[var["name"]] = str((resources.get(kind) or {}).get(res, "0"))
         return env
+
+    def _bin_dir(self, container: dict[str, Any]) -> Path:
+        venv = self.image_venvs.get(container.get("image", ""))
+        return venv / "bin" if venv is not None else Path(sys.executable).parent
 
     def _field(self, pod: dict[str, Any], path: str, run: PodRun) -> str:
         meta = pod["metadata"]
@@ -583,6 +576,16 @@ class ProcessNode:
             container.waiting_reason = "CreateContainerError"
             container.waiting_message = (
                 "the process node ignores images: the container must set `command`"
+            )
+            run.status_dirty.set()
+            return
+        image = container.spec.get("image", "")
+        python = self._bin_dir(container.spec) / "python"
+        if image in self.image_venvs and not python.exists():
+            container.waiting_reason = "CreateContainerError"
+            container.waiting_message = (
+                f"the process node runs image {image} with {python}, which is missing "
+                "(hack/vllm-venv makes it)"
             )
             run.status_dirty.set()
             return
@@ -916,7 +919,11 @@ class ProcessNode:
     async def _stop_processes(self, run: PodRun, grace: float) -> None:
         procs = [c.process for c in run.containers if c.process and c.process.returncode is None]
         for proc in procs:
-            _signal_group(proc.pid, signal.SIGTERM)
+            # As a container runtime does: SIGTERM to the container's main process only (its
+            # PID 1), so that children it manages (vLLM's engine core) keep serving while it
+            # drains; SIGKILL to all of them after the grace period.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
         if procs:
             waits = [asyncio.create_task(p.wait()) for p in procs]
             _, pending = await asyncio.wait(waits, timeout=max(grace, 0.1))

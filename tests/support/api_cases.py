@@ -179,6 +179,12 @@ _VALID = [
             }
         ),
     ),
+    # An engine without extraArgs (the rules on repeated flags must not need the list).
+    ("dw-engine-name-only", dynamo_worker(spec={"engine": {"name": "vllm"}})),
+    (
+        "dw-engine-class-only",
+        dynamo_worker(spec={"engine": {"class": "dynamo.engines.vllm:VllmEngine"}}),
+    ),
     (
         # On the CPU the spec sets no tensor parallelism, so extraArgs may.
         "dw-vllm-cpu-tensor-parallel",

@@ -4,7 +4,8 @@
 whole run and yields an `S3Server`; `S3Server.env` holds the variables a client needs
 (test credentials, `AWS_ENDPOINT_URL`, region). Tests apply them with `S3Server.apply_env`
 (through pytest's `monkeypatch`) and create uniquely named buckets with `S3Server.new_bucket`,
-so tests sharing the server never see each other's objects.
+so tests sharing the server never see each other's objects. `s3_server_at` describes any
+S3 server the same way (`support.s3_sigv4` runs one that checks signatures, as moto does not).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,6 +47,14 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
+    def upload_dir(self, bucket: str, prefix: str, root: Path) -> None:
+        """Put every file below `root` at `prefix/<its path below root>` in `bucket`."""
+        s3 = self.client()
+        for file in sorted(root.rglob("*")):
+            if file.is_file():
+                key = f"{prefix}/{file.relative_to(root).as_posix()}"
+                s3.put_object(Bucket=bucket, Key=key, Body=file.read_bytes())
+
     def apply_env(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Point default-configured S3 clients (boto3, s3fs) at this server for one test.
 
@@ -65,15 +75,19 @@ def start_s3_server(host: str = "127.0.0.1") -> tuple[ThreadedMotoServer, S3Serv
     server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    return server, s3_server_at(f"http://{host}:{port}", key="testing", secret="testing")
+
+
+def s3_server_at(endpoint: str, *, key: str, secret: str) -> S3Server:
+    """An `S3Server` for the server at `endpoint` that takes these credentials."""
     env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_DEFAULT_REGION": REGION,
         "AWS_REGION": REGION,
     }
-    return server, S3Server(endpoint_url=endpoint, env=env)
+    return S3Server(endpoint_url=endpoint, env=env)
 
 
 # The test bed's host address: process-node pods reach it, and nothing outside the machine can.

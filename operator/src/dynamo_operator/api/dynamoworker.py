@@ -502,7 +502,10 @@ class OwnedFlag:
             f"a.replace('_', '-') == '{s}' || a.replace('_', '-').startsWith('{s}=')"
             for s in self.spellings
         )
-        return f"has(self.engine) && self.engine.extraArgs.exists(a, {tests})"
+        return (
+            "has(self.engine) && has(self.engine.extraArgs) && "
+            f"self.engine.extraArgs.exists(a, {tests})"
+        )
 
     def set_in(self, extra_args: list[str]) -> bool:
         """Python: the same test."""
