@@ -40,10 +40,11 @@ HF_HOME_PATH = f"{CACHE_PATH}/huggingface"
 LORA_PATH = "/var/lib/dynamo/loras"
 SHM_PATH = "/dev/shm"
 
-# Non-root identity for the worker (a restricted pod must not run as root); fsGroup makes
-# volumes, the LoRA PVC included, writable by it.
-RUN_AS_USER = 1000
-RUN_AS_GROUP = 1000
+# Non-root identity for the worker (a restricted pod must not run as root): the user the
+# worker images create (worker_image/Dockerfile*: USER 10001:10001), above 10000 so that it is
+# no user of the node's own; fsGroup makes volumes, the LoRA PVC included, writable by it.
+RUN_AS_USER = 10001
+RUN_AS_GROUP = 10001
 
 # Probe timings: upstream's worker defaults. The startup probe allows 720 x 10 s = 2 h for
 # model and adapter loading before the liveness probe takes over.
