@@ -8,6 +8,12 @@ Settings are deliberate rather than kopf's defaults:
 - watches: the API server is asked to end each watch after `WATCH_SERVER_TIMEOUT_SECONDS`
   (kopf re-watches from the last resourceVersion), the client gives up a little later, and
   a stream silent for `WATCH_INACTIVITY_SECONDS` (no event and no bookmark) is reconnected;
+- API errors (5xx, 429, 403, connection errors): kopf retries each of its requests for
+  `API_RETRY_WINDOW_SECONDS`, at most `API_RETRY_CAP_SECONDS` apart (`api_error_backoffs`).
+  Its default gives up after 9 tries over 54 s, and a request it gives up on ends the object's
+  event worker and drops the events queued behind it: a finalizer PATCH lost in a burst of
+  errors left the finalizer missing on a Ready DynamoWorker, or stuck on a deleted one, until
+  the object's next change (which a deleted one never gets);
 - standalone: no kopf peering objects; with several replicas, one leads through a Lease and
   the others run no kopf at all (`handlers.leadership`, which says why not kopf's peering);
 - the watches of pods and of the operator's children ask the API server for the labels the
@@ -38,9 +44,21 @@ WATCH_CLIENT_TIMEOUT_SECONDS = 330
 WATCH_CONNECT_TIMEOUT_SECONDS = 30
 WATCH_INACTIVITY_SECONDS = 70
 REQUEST_TIMEOUT_SECONDS = 60
+API_RETRY_WINDOW_SECONDS = 300.0
+API_RETRY_CAP_SECONDS = 5.0
 # After this long, the watchers for DynamoWorkers must exist, or the liveness probe fails.
 WATCHER_STARTUP_GRACE_SECONDS = 30.0
 WATCHER_TASK_PREFIX = "watcher for dynamoworkers.v1alpha1.dynamo.dev@"
+
+
+def api_error_backoffs() -> tuple[float, ...]:
+    """Pauses between kopf's tries of a failed request: growing to `API_RETRY_CAP_SECONDS`,
+    `API_RETRY_WINDOW_SECONDS` in all (a 429's Retry-After lengthens a pause, never shortens
+    it)."""
+    pauses = [1.0, 1.0, 2.0, 3.0]
+    while sum(pauses) < API_RETRY_WINDOW_SECONDS:
+        pauses.append(min(API_RETRY_CAP_SECONDS, pauses[-1] + pauses[-2]))
+    return tuple(pauses)
 
 
 def operator_settings() -> kopf.OperatorSettings:
@@ -60,6 +78,7 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.inactivity_timeout = WATCH_INACTIVITY_SECONDS
     settings.networking.request_timeout = REQUEST_TIMEOUT_SECONDS
     settings.networking.connect_timeout = WATCH_CONNECT_TIMEOUT_SECONDS
+    settings.networking.error_backoffs = api_error_backoffs()
     settings.peering.standalone = True
     settings.scanning.disabled = True
     restrict_watches(settings)

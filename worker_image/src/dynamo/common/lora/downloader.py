@@ -48,6 +48,8 @@ from dynamo.common.lora.errors import (
     REASON_FAILED,
     REASON_INVALID_ADAPTER,
     LoRADownloadError,
+    cache_full_error,
+    is_disk_full,
 )
 from dynamo.common.lora.local_source import SCHEME_PREFIX as FILE_PREFIX
 from dynamo.common.lora.local_source import resolve_local
@@ -109,6 +111,9 @@ class LoRADownloader:
         except LoRADownloadError as exc:
             raise LoRADownloadError(f"Download failed: {exc}", exc.reason) from exc
         except (OSError, ValueError) as exc:
+            if is_disk_full(exc):  # sealing or publishing a download filled the cache
+                full = cache_full_error(exc, uri)
+                raise LoRADownloadError(f"Download failed: {full}", full.reason) from exc
             raise LoRADownloadError(f"Download failed: {exc}", REASON_FAILED) from exc
 
     async def _download(self, uri: str, expected: str | None) -> Path:

@@ -7,6 +7,7 @@ stable so a caller (an engine handler, the operator) can tell the failures apart
 
 from __future__ import annotations
 
+import errno
 from typing import Final
 
 #: The URI cannot be parsed, uses an unknown scheme, names an empty S3 prefix, or carries
@@ -39,3 +40,18 @@ class LoRADownloadError(RuntimeError):
     def __init__(self, message: str, reason: str = REASON_FAILED) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for the error of a write to a full file system (ENOSPC, or EDQUOT past a quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def cache_full_error(exc: BaseException, uri: str) -> LoRADownloadError:
+    """The error of a download that filled the LoRA cache volume."""
+    return LoRADownloadError(
+        f"the LoRA cache volume is full ({exc}) while fetching {uri}; the partial download was "
+        "removed: free space on it or make it larger (DYN_LORA_PATH; for a DynamoWorker, "
+        "spec.lora.cache.emptyDir.sizeLimit or its PersistentVolumeClaim)",
+        REASON_FAILED,
+    )
