@@ -69,6 +69,19 @@ async def test_worker_lifecycle(
         except AssertionError as err:
             raise AssertionError(f"{err}\n{failure_context(operator)}") from None
 
+        # One Event per occurrence: created (the rollout starts), then Ready (which also
+        # completes the rollout: one Event naming both transitions).
+        async def creation_events() -> list[tuple[str, str]]:
+            listed = await client.EventsV1Api(api).list_namespaced_event(
+                namespace, field_selector=f"regarding.uid={uid}"
+            )
+            ordered = sorted(listed.items, key=lambda e: e.event_time)
+            return [(e.reason, e.note) for e in ordered]
+
+        news = await eventually(creation_events, 20, lambda got: len(got) >= 2)
+        assert [reason for reason, _ in news] == ["RollingOut", "AllReplicasReady"], news
+        assert "Progressing=False: all 2 pods run generation 1" in news[1][1], news
+
         # Children with the expected fields, each owned by the worker.
         found = await children(api, namespace, "llm")
         assert {kind: len(objs) for kind, objs in found.items()} == dict.fromkeys(found, 1)

@@ -202,11 +202,11 @@ def gate_loads(pods: Pods) -> asyncio.Event:
     return gate
 
 
-async def test_loads_are_bounded(
+async def test_loads_are_bounded_per_pod(
     pods: Pods, session: aiohttp.ClientSession, lora_env: Path
 ) -> None:
     gate = gate_loads(pods)
-    client = LoraClient(session, url_for=pods.url_for, concurrency=2)
+    client = LoraClient(session, url_for=pods.url_for, loads_per_pod=2)
     sources = [adapter(lora_env, f"a{i}", i) for i in range(4)]
     loads = asyncio.gather(
         *(
@@ -215,22 +215,21 @@ async def test_loads_are_bounded(
             for ip in ("198.18.1.2", "198.18.1.3")
         )
     )
+    engines = [s.engine for s in pods.servers.values()]
 
-    def active() -> int:
-        return sum(s.engine.active for s in pods.servers.values())
-
+    # Both pods load at once, each up to its own bound.
     entered = pods.servers["198.18.1.2"].engine.entered
-    while active() < 2:
+    while sum(e.active for e in engines) < 4:
         await entered.wait()
         entered.clear()
     # Lists are not held up by the loads in flight.
     assert (await client.list("198.18.1.2")).loras == {}
     await asyncio.sleep(0.2)
-    assert active() == 2
+    assert [e.active for e in engines] == [2, 2]
     gate.set()
     results = await loads
     assert all(r.ok for r in results)
-    assert sum(s.engine.most_active for s in pods.servers.values()) <= 4
+    assert [e.most_active for e in engines] == [2, 2]
 
 
 async def test_a_load_that_takes_too_long_times_out(

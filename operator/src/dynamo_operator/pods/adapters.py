@@ -3,8 +3,12 @@
 The same pattern as the model-taint pushes (`pods.taints`): one shared aiohttp session
 built at startup, a semaphore bounding concurrent requests, a timeout on every request, and
 errors turned into values rather than exceptions. Loads wait for the worker's download and
-get a long timeout of their own, and a separate bound, so slow downloads never hold up the
-quick requests (lists and unloads) that verification and deletion depend on.
+get a long timeout of their own, and a bound of their own per pod (`loads_per_pod`), so slow
+downloads never hold up the quick requests (lists and unloads) that verification and deletion
+depend on, many adapters load on many pods at once, and no pod is sent more downloads than it
+fetches well side by side: each download already fetches its files in parallel, and on the
+test bed 20 adapters on 4 pods arrive sooner 2 at a time per pod than 4 (see
+tests/bench/bench_lora_adapter.py).
 
 Request bodies carry the adapter name and source (`uri`, optional `sha256`) and nothing
 else: workers download with the credentials in their own environment. Answers of
@@ -16,10 +20,11 @@ next list sees the change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +107,7 @@ class LoraClient:
         session: aiohttp.ClientSession,
         *,
         concurrency: int = 16,
+        loads_per_pod: int = 2,
         request_timeout_seconds: float = 5.0,
         load_timeout_seconds: float = 900.0,
         cache_seconds: float = 1.0,
@@ -109,7 +115,9 @@ class LoraClient:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
-        self._loads = asyncio.Semaphore(concurrency)
+        self._loads_per_pod = loads_per_pod
+        # Per pod IP: its load bound and how many loads hold or wait for it (dropped at 0).
+        self._loads: dict[str, tuple[asyncio.Semaphore, int]] = {}
         self._quick = asyncio.Semaphore(concurrency)
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_seconds)
         self._request_timeout = request_timeout_seconds
@@ -177,7 +185,7 @@ class LoraClient:
             source["sha256"] = sha256
         body = {"lora_name": name, "source": source}
         try:
-            async with self._loads:
+            async with self._pod_load_slot(ip):
                 status, answer, error = await self._request(
                     "POST", ip, routes.LORAS_PATH, body, self._load_timeout
                 )
@@ -192,6 +200,21 @@ class LoraClient:
         if error:
             return OpResult(ok=False, reason=WORKER_UNREACHABLE, message=error)
         return _result(status, answer)
+
+    @contextlib.asynccontextmanager
+    async def _pod_load_slot(self, ip: str) -> AsyncIterator[None]:
+        """Hold one of the pod's `loads_per_pod` load slots."""
+        bound, users = self._loads.get(ip) or (asyncio.Semaphore(self._loads_per_pod), 0)
+        self._loads[ip] = (bound, users + 1)
+        try:
+            async with bound:
+                yield
+        finally:
+            bound, users = self._loads[ip]
+            if users == 1:
+                del self._loads[ip]
+            else:
+                self._loads[ip] = (bound, users - 1)
 
     async def unload(self, ip: str, name: str, timeout_seconds: float | None = None) -> OpResult:
         """`DELETE /v1/loras/{name}`; reason NotLoaded when the pod does not have it."""

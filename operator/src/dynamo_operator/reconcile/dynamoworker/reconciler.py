@@ -364,12 +364,18 @@ class WorkerReconciler:
         old: Sequence[Condition],
         new: Sequence[Condition],
     ) -> None:
-        regarding = Regarding.of(kinds.DYNAMO_WORKER, meta)
-        for condition, event_type in transitions(old, new):
-            await self._events.record(
-                regarding,
-                reason=condition.reason,
-                note=note(condition),
-                action="Reconcile",
-                warning=event_type == "Warning",
-            )
+        """One Event for the transitions of one status write: they are one occurrence (a
+        worker's pods turning ready both complete its rollout and make it Ready). It takes
+        the reason of the first Warning among them, else of the first; its note names each."""
+        changed = transitions(old, new)
+        if not changed:
+            return
+        warnings = [c for c, event_type in changed if event_type == "Warning"]
+        lead = warnings[0] if warnings else changed[0][0]
+        await self._events.record(
+            Regarding.of(kinds.DYNAMO_WORKER, meta),
+            reason=lead.reason,
+            note="; ".join(note(c) for c in [lead, *(c for c, _ in changed if c is not lead)]),
+            action="Reconcile",
+            warning=bool(warnings),
+        )
