@@ -22,7 +22,9 @@ FIXES: dict[str, str] = {
     "SourceNotFound": "nothing was found at spec.source.uri; check the bucket and prefix "
     "(s3://), the repository and revision (hf://) or the path (file://)",
     "AuthFailed": "the storage refused the worker's credentials; check the Secret that "
-    "DynamoWorker {worker} references in spec.credentials (its keys and their access rights)",
+    "DynamoWorker {worker} references in spec.credentials (its keys and their access rights); "
+    "pods read it when they start, so restart them after fixing it "
+    "(kubectl rollout restart deployment {worker})",
     "InvalidSource": "spec.source.uri cannot be used as it is; fix its form",
     "InvalidAdapter": "the files at spec.source.uri are not a PEFT LoRA adapter "
     "(adapter_config.json and adapter weights are expected)",

@@ -28,6 +28,8 @@ from dynamo.common.lora.errors import (
     REASON_TIMEOUT,
     REASON_UNSAFE,
     LoRADownloadError,
+    cache_full_error,
+    is_disk_full,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ _AUTH_CODES: Final = frozenset(
         "ExpiredToken",
         "InvalidToken",
         "AllAccessDisabled",
+        # What versitygw (an S3-compatible server) answers for an access key it does not know.
+        "XAdminUserNotFound",
     }
 )
 _NOT_FOUND_CODES: Final = frozenset({"NoSuchBucket", "NoSuchKey", "404"})
@@ -280,6 +284,8 @@ async def with_retries(op: Callable[[], Awaitable[T]], *, what: str, delays: Seq
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, FileNotFoundError | PermissionError | LoRADownloadError):
         return False
+    if is_disk_full(exc):
+        return False  # a full cache stays full
     code = _error_code(exc)
     return not (code in _AUTH_CODES or code in _NOT_FOUND_CODES)
 
@@ -328,4 +334,6 @@ def classify_s3_error(exc: BaseException, uri: str, settings: S3Settings) -> LoR
             f"cannot reach the S3 endpoint {where} for {uri}: {exc}; check AWS_ENDPOINT",
             REASON_FAILED,
         )
+    if is_disk_full(exc):
+        return cache_full_error(exc, uri)
     return LoRADownloadError(f"fetching {uri} from {where} failed: {exc}", REASON_FAILED)

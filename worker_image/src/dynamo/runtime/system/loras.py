@@ -92,6 +92,11 @@ class LoraRoutes:
             return _response({"status": "error", "message": f"{op} failed: {exc}"}, 500)
         answer = lora_response(result)
         failed = answer["status"] == "error"
+        if failed:
+            # The same text the caller gets (it names no credential), so that the pod's log
+            # says why, as the operator's fix texts tell users to read it.
+            name = body.get("lora_name") if isinstance(body, dict) else None
+            logger.warning("/v1/loras %s %s failed: %s", op, name or "", answer.get("message"))
         return _response(answer, 500 if failed and errors_are_500 else 200)
 
 
