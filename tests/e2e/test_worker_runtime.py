@@ -110,8 +110,13 @@ async def test_lora_lifecycle_from_s3(
     assert (tmp_path / "cache" / f"s3__{bucket}_adapters_a" / "adapter_config.json").is_file()
 
     status, listing = await get_json(system + "/v1/loras")
-    assert (status, listing) == (200, {"status": "success", "loras": {"adapter-a": lora_id},
-                                       "count": 1})  # fmt: skip
+    assert status == 200
+    assert listing == {
+        "status": "success",
+        "loras": {"adapter-a": lora_id},
+        "count": 1,
+        "sources": {"adapter-a": load_a["source"]},
+    }
     _, models = await get_json(http + "/v1/models")
     assert [m["id"] for m in models["data"]] == ["sample-model", "adapter-a"]
 

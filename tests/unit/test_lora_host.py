@@ -88,6 +88,7 @@ async def test_load_list_unload_file_adapter(lora_env: Path) -> None:
         "status": "success",
         "loras": {"one": lora_id},
         "count": 1,
+        "sources": {"one": {"uri": f"file://{path}"}},
     }
 
     response = await host.handle("unload_lora", {"lora_name": "one"})

@@ -133,6 +133,8 @@ async def test_load_list_hot_swap_and_unload(
     assert loaded.lora_id is not None
     listing = await client.list("198.18.1.2")  # the load dropped the cached answer
     assert listing.loras == {"sql": loaded.lora_id}
+    # Where it came from, so that a restarted operator can tell without loading it again.
+    assert listing.sources == {"sql": (f"file://{v1}", adapter_digest(v1))}
     again = await client.load("198.18.1.2", "sql", f"file://{v1}", None)
     assert again.ok
     assert "already loaded" in again.message

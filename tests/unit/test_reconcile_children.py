@@ -77,6 +77,13 @@ async def test_reads_come_from_the_index_and_own_writes_until_the_watch_catches_
     # Our next apply; the index still has the older version: the apply's answer wins.
     reader.wrote(kinds.SERVICE, "ns", "llm", service("6", port=2))
     assert (await live() or {})["spec"] == {"port": 2}
+    # The watch delivered a later version (a controller's write) before our answer was
+    # handled: the later version wins, our answer must not hide it.
+    index.put(service("7", port=3))
+    reader.seen(key)
+    reader.wrote(kinds.SERVICE, "ns", "llm", service("6", port=2))
+    assert (await live() or {})["spec"] == {"port": 3}
+    assert reader._written == {}
     # Deleted out of band: the watch reports it, and the reader sees it gone.
     del index.records[key]
     reader.seen(key)

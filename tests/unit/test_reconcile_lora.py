@@ -83,12 +83,14 @@ def make_adapter(
 
 @dataclass
 class FakePod:
-    """One worker's adapter table, as `LoRAAdapterHost` keeps it."""
+    """One worker's adapter table, as `LoRAAdapterHost` keeps it. `lists_sources`: its
+    `GET /v1/loras` says where each adapter came from (ours do; upstream's do not)."""
 
     serving: dict[str, str] = field(default_factory=dict)  # name -> uri
     capacity: int = 4
     reachable: bool = True
     fail_uris: set[str] = field(default_factory=set)
+    lists_sources: bool = False
 
 
 @dataclass
@@ -107,7 +109,9 @@ class Fleet:
         out = {}
         for name, pod in self.pods.items():
             if pod.reachable:
-                out[name] = Listing(loras={n: 1000 + i for i, n in enumerate(sorted(pod.serving))})
+                loras = {n: 1000 + i for i, n in enumerate(sorted(pod.serving))}
+                sources = {n: (uri, None) for n, uri in pod.serving.items()}
+                out[name] = Listing(loras=loras, sources=sources if pod.lists_sources else {})
             else:
                 out[name] = Listing(reason=WORKER_UNREACHABLE, message="connection refused")
         return out
@@ -466,6 +470,43 @@ def test_an_unknown_version_is_verified_by_an_idempotent_load() -> None:
     fleet.finish_all()
     fleet.round()
     assert fleet.status().loaded == "1/1"
+
+
+def test_a_pod_that_lists_the_current_source_is_adopted_without_a_load() -> None:
+    # The operator lost its memory and status; the pod says it serves spec.source.
+    fleet = fleet_of(1, lists_sources=True)
+    fleet.pods["llm-a"].serving["sql"] = V1
+    plan = fleet.round()
+    assert plan.actions == ()
+    assert plan.newly_loaded == ("llm-a",)
+    entry = pod_entry(fleet.status(), "llm-a")
+    assert (entry.state, entry.uri, entry.reason) == (AdapterState.LOADED, V1, None)
+    assert fleet.status().loaded == "1/1"
+
+
+def test_a_load_finished_after_its_operator_died_is_adopted() -> None:
+    # Status says Loading (the operator recorded the request, then was killed while the
+    # worker finished it): its successor adopts the load instead of repeating it.
+    fleet = fleet_of(2, lists_sources=True)
+    fleet.round()
+    for pod, action in list(fleet.in_flight.items()):
+        fleet.pods[pod].serving["sql"] = action.uri or ""
+    fleet.in_flight.clear()  # a new operator: nothing in flight, the recorded tracks
+    assert [t.state for t in fleet.tracks.values()] == [AdapterState.LOADING] * 2
+    plan = fleet.round()
+    assert plan.actions == ()
+    assert fleet.status().loaded == "2/2"
+
+
+def test_a_listed_older_source_is_still_rolled() -> None:
+    fleet = fleet_of(2, adapter=make_adapter(V2), lists_sources=True)
+    for pod in fleet.pods.values():
+        pod.serving["sql"] = V1
+    plan = fleet.round()
+    assert [(a.op, a.uri, a.swap) for a in plan.actions] == [("load", V2, True)]
+    fleet.settle()
+    assert {pod.serving["sql"] for pod in fleet.pods.values()} == {V2}
+    assert fleet.status().loaded == "2/2"
 
 
 # --- placement --------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import json
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -61,11 +61,14 @@ OPERATOR_NOT_ADMITTED = "OperatorNotAdmitted"
 
 @dataclass(frozen=True)
 class Listing:
-    """A pod's answer to `GET /v1/loras`: adapter name -> id, or why there is none."""
+    """A pod's answer to `GET /v1/loras`: adapter name -> id, or why there is none;
+    `sources`: name -> (uri, sha256) of the load it serves, for workers that say (ours do,
+    upstream's do not)."""
 
     loras: Mapping[str, int] | None = None
     reason: str = ""
     message: str = ""
+    sources: Mapping[str, tuple[str, str | None]] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -176,7 +179,7 @@ class LoraClient:
             message = body.get("message") if isinstance(body, dict) else None
             return Listing(reason="ListFailed", message=f"HTTP {status}: {message or body}")
         clean = {str(k): int(v) for k, v in loras.items() if isinstance(v, int)}
-        return Listing(loras=clean)
+        return Listing(loras=clean, sources=_sources(body.get("sources")))
 
     async def load(self, ip: str, name: str, uri: str, sha256: str | None) -> OpResult:
         """`POST /v1/loras`: load (or hot-swap to) `uri` under `name`; idempotent."""
@@ -267,3 +270,16 @@ def _result(status: int, answer: Any) -> OpResult:
     worker_reason = body.get("reason")
     reason = reason_for(status, worker_reason if isinstance(worker_reason, str) else None, message)
     return OpResult(ok=False, reason=reason, message=message or f"HTTP {status}")
+
+
+def _sources(listed: Any) -> dict[str, tuple[str, str | None]]:
+    """`{name: {"uri": ..., "sha256": ...}}` from a list answer; what is malformed is left out."""
+    if not isinstance(listed, dict):
+        return {}
+    sources: dict[str, tuple[str, str | None]] = {}
+    for name, source in listed.items():
+        uri = source.get("uri") if isinstance(source, dict) else None
+        sha256 = source.get("sha256") if isinstance(source, dict) else None
+        if isinstance(uri, str):
+            sources[str(name)] = (uri, sha256 if isinstance(sha256, str) else None)
+    return sources

@@ -89,10 +89,13 @@ class ChildReader:
         record = index.get(key)
         if key in self._written:
             mine = self._written[key]
-            if mine is None or record is None or mine.resource_version != record.resource_version:
-                record = mine
+            if mine is not None and record is not None and not _older(record, mine):
+                # The index holds our write, or a later version: the watch delivered that one
+                # before our apply's answer was handled (the Deployment controller's status
+                # update, say), so our answer must not hide it.
+                del self._written[key]
             else:
-                del self._written[key]  # the index holds our write
+                record = mine
         return record.body() if record is not None else None
 
     def wrote(
@@ -106,3 +109,16 @@ class ChildReader:
     def seen(self, key: ChildKey) -> None:
         """The watch reported the child (changed, created or deleted): the index is current."""
         self._written.pop(key, None)
+
+
+def _older(record: CachedChild, mine: CachedChild) -> bool:
+    """Whether the index's `record` is an older version than our write `mine`. The API
+    server's resourceVersions are integers that grow with every write (comparable by
+    contract since Kubernetes 1.35); anything else counts as older, so that our own write
+    stays in front until the watch reports that very version."""
+    if record.resource_version == mine.resource_version:
+        return False
+    theirs, ours = record.resource_version, mine.resource_version
+    if theirs.isdigit() and ours.isdigit():
+        return int(theirs) < int(ours)
+    return True

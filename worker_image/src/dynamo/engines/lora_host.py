@@ -79,6 +79,14 @@ class LoadedAdapter:
     sha256: str | None = None
 
 
+def _source(adapter: LoadedAdapter) -> dict[str, str]:
+    """The source a load request named (the digest only when it gave one)."""
+    source = {"uri": adapter.uri}
+    if adapter.sha256 is not None:
+        source["sha256"] = adapter.sha256
+    return source
+
+
 def _error(message: str, reason: str, lora_name: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"status": "error", "message": message, "reason": reason}
     if lora_name is not None:
@@ -141,9 +149,13 @@ class LoRAAdapterHost:
         return {"status": "error", "message": f"unsupported engine update: {name}"}
 
     def list_response(self) -> dict[str, Any]:
-        """`{"status": "success", "loras": {name: id}, "count": n}`."""
-        loras = {name: adapter.lora_id for name, adapter in sorted(self._loaded.items())}
-        return {"status": "success", "loras": loras, "count": len(loras)}
+        """`{"status": "success", "loras": {name: id}, "count": n, "sources": {name: {"uri":
+        ..., "sha256": ...}}}`: upstream's answer, plus where each adapter came from (the
+        operator verifies a pod serves the current source without loading it again)."""
+        adapters = sorted(self._loaded.items())
+        loras = {name: adapter.lora_id for name, adapter in adapters}
+        sources = {name: _source(adapter) for name, adapter in adapters}
+        return {"status": "success", "loras": loras, "count": len(loras), "sources": sources}
 
     def _lock(self, lora_name: str) -> asyncio.Lock:
         return self._locks.setdefault(lora_name, asyncio.Lock())

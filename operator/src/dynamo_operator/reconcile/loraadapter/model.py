@@ -161,6 +161,10 @@ class Desired:
     def matches(self, track: PodTrack | None) -> bool:
         return track is not None and track.uri == self.uri and track.sha256 == self.sha256
 
+    def served_by(self, listing: Listing) -> bool:
+        """Whether the pod's listing names this very source as the one it serves."""
+        return listing.sources.get(self.name) == (self.uri, self.sha256)
+
     @classmethod
     def of(cls, adapter: LoRAAdapter) -> Desired:
         return cls(

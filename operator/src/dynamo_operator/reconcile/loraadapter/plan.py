@@ -10,7 +10,8 @@ reason means in `reasons`, and the status the plan writes is computed by `status
 
 Rules:
 - Verify, do not assume. A pod is `Loaded` only when its `GET /v1/loras` lists the adapter
-  and the operator's last successful load on that pod was of the current source. A pod
+  and the operator's last successful load on that pod was of the current source, or the
+  listing itself names the current source as the one served (our workers say). A pod
   that listed it before and lists it no more (its worker restarted) is loaded again at once.
 - Placement: `AllReplicas` targets every ready pod of the targeted workers; `Count` keeps
   the pods already serving the name, then adds those with the fewest adapters, skipping
@@ -364,6 +365,16 @@ def _settle_target(r: _Round, pod: Pod, worker: WorkerInfo) -> bool:
         return False
     serving = desired.name in listing.loras
     lora_id = listing.loras.get(desired.name)
+    recorded = desired.matches(track) and track is not None and track.state == AdapterState.LOADED
+    if serving and not recorded and desired.served_by(listing):
+        # The pod says it serves this very source although no finished load of it is
+        # recorded (an operator killed before recording it, or a status lost): adopt it, do
+        # not load it again.
+        base = track or PodTrack(pod.name, pod.worker, AdapterState.LOADED, since=now)
+        track = replace(
+            base, state=AdapterState.LOADED, uri=desired.uri, sha256=desired.sha256,
+            verified=False, attempts=0, failed_at=None,
+        )  # fmt: skip
     if track is not None and desired.matches(track):
         if serving and (track.state == AdapterState.LOADED or _was_served(track)):
             if not track.verified:

@@ -9,7 +9,8 @@ Each goes to the route registered as `<op>` (legacy workers), else `update/<op>`
 update, gated by the lifecycle). Answers follow upstream's `LoraResponse`: POST and DELETE
 are 500 when the engine answered `"status": "error"` or forwarding failed, else 200; GET is
 200 whenever forwarding worked. Only the upstream fields (plus `reason` and `hot_swap`,
-which say why a load failed and whether it replaced a version) are passed on.
+which say why a load failed and whether it replaced a version, and the list's `sources`,
+which says where each adapter came from) are passed on.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ LOAD_LORA_REQUEST = json_body.Struct(
 )
 
 _RESPONSE_FIELDS = ("status", "message", "lora_name", "lora_id", "loras", "count")
-_EXTRA_FIELDS = ("reason", "hot_swap")
+_EXTRA_FIELDS = ("reason", "hot_swap", "sources")
 
 
 def lora_response(result: Any) -> dict[str, Any]:
