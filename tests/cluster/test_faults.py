@@ -272,18 +272,11 @@ CI_SUBSET = {
 # Fixed: a 16-request 5xx/429 burst exhausted kopf's 9 tries of its finalizer PATCH (create,
 # delete): kopf now retries for minutes (`handlers.lifecycle.api_error_backoffs`); a
 # LoRAAdapter was loaded (and Ready) before kopf's finalizer was on it when the API failed
-# (adapter-apply x api-errors, api-outage): its daemon now waits for the finalizer.
-_RELOADED = (
-    "an operator killed at its second write never converges: a fresh operator cannot tell "
-    "which source a pod serves an adapter from (GET /v1/loras lists names only), so it "
-    "hot-swaps each pod whose status says Loading; its one write that lands is that Loading "
-    "status again, and the Loaded one after the load is the write it is killed at (needs "
-    "the worker to list each adapter's source, or status to record a load that was no swap)"
-)
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("adapter-apply", "kill-after-each-write"): _RELOADED,
-    ("adapter-roll", "kill-after-each-write"): _RELOADED,
-}
+# (adapter-apply x api-errors, api-outage): its daemon now waits for the finalizer; an
+# operator killed at every second write hot-swapped adapters its predecessor had loaded and
+# never converged (adapter-apply, adapter-roll x kill-after-each-write): workers now list each
+# adapter's source, and a pod serving the current one is adopted.
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 @asynccontextmanager
