@@ -114,13 +114,9 @@ def adapter_store(
 ) -> Iterator[AdapterStore]:
     shared = Path(testbed.kubeconfig).parent / "e2e" / f"faults-{uuid.uuid4().hex[:8]}"
     shutil.copytree(tiny_model.base, shared / "base")
-    s3 = testbed_s3_server.client()
-    s3.create_bucket(Bucket=BUCKET)
+    testbed_s3_server.client().create_bucket(Bucket=BUCKET)
     for name, path in tiny_model.adapters.items():
-        for file in path.rglob("*"):
-            if file.is_file():
-                key = f"adapters/{name}/{file.relative_to(path).as_posix()}"
-                s3.put_object(Bucket=BUCKET, Key=key, Body=file.read_bytes())
+        testbed_s3_server.upload_dir(BUCKET, f"adapters/{name}", path)
     try:
         yield AdapterStore(shared / "base", testbed_s3_server)
     finally:

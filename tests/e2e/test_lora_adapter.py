@@ -243,12 +243,8 @@ async def bed(
         shutil.copytree(tiny_model.base, space.shared / "base")
         s3 = testbed_s3_server
         bucket = s3.new_bucket("lora")
-        s3_client = s3.client()
         for name, path in tiny_model.adapters.items():
-            for file in path.rglob("*"):
-                if file.is_file():
-                    key = f"adapters/{name}/{file.relative_to(path).as_posix()}"
-                    s3_client.put_object(Bucket=bucket, Key=key, Body=file.read_bytes())
+            s3.upload_dir(bucket, f"adapters/{name}", path)
         canary = f"canary-{uuid.uuid4().hex}"
         secret: Any = {
             "metadata": {"name": "s3-creds"},

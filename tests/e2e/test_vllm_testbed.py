@@ -119,13 +119,8 @@ async def bed(
         await asyncio.to_thread(generator.write_tiny_model, model, TINY_MODEL_SEED, 64)
         s3 = testbed_s3_server
         bucket = s3.new_bucket("vllm-lora")
-        s3_client = s3.client()
         for spec in generator.ADAPTERS:
-            root = model / "adapters" / spec.name
-            for file in root.rglob("*"):
-                if file.is_file():
-                    key = f"{spec.name}/{file.relative_to(root).as_posix()}"
-                    s3_client.put_object(Bucket=bucket, Key=key, Body=file.read_bytes())
+            s3.upload_dir(bucket, spec.name, model / "adapters" / spec.name)
         secret: Any = {
             "metadata": {"name": "s3-creds"},
             "data": {
