@@ -225,6 +225,9 @@ class PodRun:
     # wrote it into `status.conditions` (absent: not written yet, which counts as False).
     readiness_gates: tuple[str, ...] = ()
     gate_statuses: dict[str, str] = field(default_factory=dict)
+    # Each pod condition's latest status and when it last changed (the kubelet's
+    # `lastTransitionTime`), by condition type.
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 class ProcessNode:
@@ -853,11 +856,16 @@ class ProcessNode:
         ) -> dict[str, str | None]:
             # reason and message always go out, null when unset: a merge patch keeps the
             # fields it does not name, so a stale reason would outlive its condition.
+            status = "True" if ok else "False"
+            previous = run.transitions.get(kind)
+            if previous is None or previous[0] != status:
+                run.transitions[kind] = (status, _now())
             return {
                 "type": kind,
-                "status": "True" if ok else "False",
+                "status": status,
                 "reason": None if ok else reason,
                 "message": None if ok else message,
+                "lastTransitionTime": run.transitions[kind][1],
             }
 
         unready_message = f"containers with unready status: [{' '.join(unready)}]"

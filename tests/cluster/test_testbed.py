@@ -379,6 +379,12 @@ async def test_readiness_gate_holds_ready_until_its_condition_is_true(
         assert _status(flipped, "ContainersReady") == "False"
         assert _ready_condition(flipped).reason == "ContainersNotReady"
         assert _status(flipped, GATE) == "True"
+        # Each condition has the time its status last changed, as the kubelet writes it.
+        opened_at = _ready_condition(opened).last_transition_time
+        assert opened_at is not None
+        assert _ready_condition(flipped).last_transition_time >= opened_at
+        initialized = next(c for c in flipped.status.conditions if c.type == "Initialized")
+        assert initialized.last_transition_time <= opened_at
         (served / "ready").write_text("ok")
         back = await eventually(read, 30, until=lambda p: _status(p, "Ready") == "True")
         assert _status(back, GATE) == "True"

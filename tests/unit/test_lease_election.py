@@ -8,15 +8,17 @@ loopback HTTP server, which records what reached it: a refused write is never se
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import aiohttp
+import kopf
 import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
 
 from dynamo_operator import cli
-from dynamo_operator.handlers.fence import FencedRequest, WriteFence
+from dynamo_operator.handlers.fence import FencedRequest, WriteFence, kopf_session
 from dynamo_operator.handlers.settings import OperatorConfig
 from dynamo_operator.k8s.client import ApiError, Cluster
 from dynamo_operator.k8s.election import Action, Election, LeaseRecord, NotLeader, Timing
@@ -201,6 +203,43 @@ async def test_the_fence_refuses_writes_before_they_are_sent_and_lets_reads_thro
                 async with session.request(method, server.url("/x")):
                     pass
     assert seen == ["POST", "GET"]
+
+
+async def test_kopfs_session_holds_at_most_its_bound_of_connections_open() -> None:
+    """kopf's session (`kopf_session`, no fence without leader election) opens no more than
+    its bound of connections however many requests are in flight; the rest wait their turn."""
+    in_flight, most = 0, 0
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.Response:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await release.wait()
+        in_flight -= 1
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", held)
+    async with serve(app) as server:
+        session = kopf_session(kopf.ConnectionInfo(server=server.url("")), 3, None)
+        http = session.aiohttp_session
+        try:
+
+            async def patch(i: int) -> int:
+                async with http.patch(server.url(f"/x/{i}")) as response:
+                    return response.status
+
+            requests = [asyncio.create_task(patch(i)) for i in range(10)]
+            while most < 3:  # the server sees the first three
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # and no fourth while they are held
+            assert most == 3
+            release.set()
+            assert await asyncio.gather(*requests) == [200] * 10
+        finally:
+            await http.close()
+    assert most == 3
 
 
 async def test_the_api_client_refuses_writes_past_the_deadline() -> None:

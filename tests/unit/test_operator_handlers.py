@@ -16,8 +16,21 @@ from kopf._cogs.aiokits.aioenums import FlagSetter
 from dynamo_operator import cli
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.handlers import OperatorConfig, OperatorContext, build_registry
-from dynamo_operator.handlers.indices import CHILD_KINDS, Indices, child_index_id
-from dynamo_operator.handlers.lifecycle import operator_settings, watcher_problem
+from dynamo_operator.handlers.indices import (
+    CHILD_KINDS,
+    WATCHED_RESOURCES,
+    Indices,
+    child_index_id,
+)
+from dynamo_operator.handlers.lifecycle import (
+    API_RETRY_CAP_SECONDS,
+    API_RETRY_WINDOW_SECONDS,
+    KOPF_REQUEST_CONNECTIONS,
+    api_error_backoffs,
+    kopf_connections,
+    operator_settings,
+    watcher_problem,
+)
 from dynamo_operator.handlers.resync import resync_loop
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile.children import CachedChild
@@ -48,6 +61,44 @@ def test_settings_use_our_names_and_deliberate_timeouts() -> None:
     assert selectors.pop("pods") == "dynamo.dev/worker"
     assert set(selectors) == {k.plural for k in CHILD_KINDS}
     assert set(selectors.values()) == {"app.kubernetes.io/managed-by=dynamo-operator"}
+
+
+def test_kopf_retries_api_errors_for_minutes_at_most_a_cap_apart() -> None:
+    pauses = api_error_backoffs()
+    assert operator_settings().networking.error_backoffs == pauses
+    assert pauses[:4] == (1.0, 1.0, 2.0, 3.0)
+    assert max(pauses) == API_RETRY_CAP_SECONDS
+    assert list(pauses) == sorted(pauses)  # never shorter after a longer one
+    assert (
+        API_RETRY_WINDOW_SECONDS <= sum(pauses) < API_RETRY_WINDOW_SECONDS + API_RETRY_CAP_SECONDS
+    )
+
+
+def test_watched_resources_are_every_resource_a_handler_is_registered_for() -> None:
+    registry = build_registry()
+    selectors = (
+        registry._indexing.get_all_selectors()
+        | registry._watching.get_all_selectors()
+        | registry._spawning.get_all_selectors()
+        | registry._changing.get_all_selectors()
+    )
+    registered = {(s.group or "", s.version, s.any_name) for s in selectors}
+    assert registered == set(WATCHED_RESOURCES)
+    assert len(WATCHED_RESOURCES) == len(set(WATCHED_RESOURCES))
+
+
+@pytest.mark.parametrize(
+    ("config", "watches"),
+    [
+        (OperatorConfig(namespaces=("a",)), len(WATCHED_RESOURCES)),
+        (OperatorConfig(namespaces=("a", "b", "c")), 3 * len(WATCHED_RESOURCES)),
+        (OperatorConfig(all_namespaces=True), len(WATCHED_RESOURCES)),
+    ],
+)
+def test_kopf_connections_leave_every_watch_one_and_bound_the_rest(
+    config: OperatorConfig, watches: int
+) -> None:
+    assert kopf_connections(config) == watches + KOPF_REQUEST_CONNECTIONS
 
 
 def test_every_handler_is_registered_with_a_stable_id() -> None:

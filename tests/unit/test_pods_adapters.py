@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -232,6 +233,30 @@ async def test_loads_are_bounded_per_pod(
     results = await loads
     assert all(r.ok for r in results)
     assert [e.most_active for e in engines] == [2, 2]
+
+
+async def test_a_stuck_load_gives_its_pods_slot_up_after_load_slot_seconds(
+    pods: Pods, session: aiohttp.ClientSession, lora_env: Path
+) -> None:
+    gate = gate_loads(pods)
+    client = LoraClient(session, url_for=pods.url_for, load_slot_seconds=0.5)  # 1 per pod
+    engine = pods.servers["198.18.1.2"].engine
+    stuck = asyncio.create_task(
+        client.load("198.18.1.2", "stuck", f"file://{adapter(lora_env, 'stuck', 1)}", None)
+    )
+    await engine.entered.wait()
+    engine.entered.clear()
+    started = time.monotonic()
+    second = asyncio.create_task(
+        client.load("198.18.1.2", "next", f"file://{adapter(lora_env, 'next', 2)}", None)
+    )
+    # The next load waits for the slot while the stuck one holds it, then goes out beside it.
+    await engine.entered.wait()
+    assert time.monotonic() - started >= 0.4
+    assert engine.active == 2
+    gate.set()
+    assert all(r.ok for r in await asyncio.gather(stuck, second))
+    assert engine.most_active == 2
 
 
 async def test_a_load_that_takes_too_long_times_out(

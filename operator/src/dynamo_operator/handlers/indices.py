@@ -69,6 +69,11 @@ def resource_of(kind: kinds.Kind) -> tuple[str, str, str]:
     return group, version, kind.plural
 
 
+# Every resource a handler or index is registered for: kopf keeps one watch of each, in each
+# namespace (the unit tests hold this to the registry).
+WATCHED_RESOURCES = (DW, LORA, resource_of(kinds.POD), DWM, *map(resource_of, CHILD_KINDS))
+
+
 def child_index_id(kind: kinds.Kind) -> str:
     return f"children_{kind.plural}"
 

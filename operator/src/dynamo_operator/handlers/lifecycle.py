@@ -18,6 +18,8 @@ Settings are deliberate rather than kopf's defaults:
   the others run no kopf at all (`handlers.leadership`, which says why not kopf's peering);
 - the watches of pods and of the operator's children ask the API server for the labels the
   handlers select (`indices.restrict_watches`);
+- kopf's connections are bounded (`kopf_connections`): one per watch and a few for its
+  patches and Events, where kopf's own session opens one per object being handled at once;
 - no cluster scanning: the operator's resources are discovered once at startup, after it has
   installed its CRDs, so it needs no cluster-wide CRD and namespace watch permissions.
 """
@@ -34,8 +36,9 @@ from typing import Any
 import kopf
 
 from dynamo_operator.handlers.context import OperatorContext
-from dynamo_operator.handlers.fence import fenced_session
-from dynamo_operator.handlers.indices import restrict_watches
+from dynamo_operator.handlers.fence import kopf_session
+from dynamo_operator.handlers.indices import WATCHED_RESOURCES, restrict_watches
+from dynamo_operator.handlers.settings import OperatorConfig
 
 ANNOTATION_PREFIX = "dynamo.dev"
 FINALIZER = f"{ANNOTATION_PREFIX}/finalizer"
@@ -49,6 +52,8 @@ API_RETRY_CAP_SECONDS = 5.0
 # After this long, the watchers for DynamoWorkers must exist, or the liveness probe fails.
 WATCHER_STARTUP_GRACE_SECONDS = 30.0
 WATCHER_TASK_PREFIX = "watcher for dynamoworkers.v1alpha1.dynamo.dev@"
+# kopf's requests other than its watches (patches, Events) share this many connections.
+KOPF_REQUEST_CONNECTIONS = 32
 
 
 def api_error_backoffs() -> tuple[float, ...]:
@@ -59,6 +64,14 @@ def api_error_backoffs() -> tuple[float, ...]:
     while sum(pauses) < API_RETRY_WINDOW_SECONDS:
         pauses.append(min(API_RETRY_CAP_SECONDS, pauses[-1] + pauses[-2]))
     return tuple(pauses)
+
+
+def kopf_connections(config: OperatorConfig) -> int:
+    """The connections kopf's session may open: one held by each watch (every watched resource
+    in every namespace; one cluster-wide watch each with --all-namespaces), so that no watch
+    waits for a connection, and `KOPF_REQUEST_CONNECTIONS` more for everything else."""
+    namespaces = 1 if config.all_namespaces else max(1, len(config.namespaces))
+    return len(WATCHED_RESOURCES) * namespaces + KOPF_REQUEST_CONNECTIONS
 
 
 def operator_settings() -> kopf.OperatorSettings:
@@ -120,10 +133,11 @@ def register(registry: kopf.OperatorRegistry) -> None:
             info = dataclasses.replace(info, server=in_cluster_server(info.server))
         else:
             info = kopf.login_with_kubeconfig(**kwargs)
-        if info is None or memo.fence is None:
-            return info
-        # Leader election: kopf's own writes (finalizers, annotations, Events) pass the fence.
-        return fenced_session(info, memo.fence)
+        if info is None:
+            return None
+        # Under leader election, kopf's own writes (finalizers, annotations, Events) pass the
+        # fence.
+        return kopf_session(info, kopf_connections(memo.config), memo.fence)
 
     @kopf.on.startup(id="start", registry=registry)
     async def start(memo: OperatorContext, **_: Any) -> None:

@@ -34,6 +34,10 @@ APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 JSON = "application/json"
+# Connections the client keeps to the API server (the library's default is 100). Reconciles
+# run at most 16 at a time, so more would only hold TLS buffers after a burst of status
+# writes; a request beyond the bound waits for a free connection.
+API_CONNECTIONS = 32
 
 
 class ApiError(Exception):
@@ -73,6 +77,7 @@ async def connect(kubeconfig: str | None = None) -> client.ApiClient:
         # Read KUBECONFIG now: the client library reads it once, at import.
         path = kubeconfig or os.environ.get("KUBECONFIG") or None
         await config.load_kube_config(config_file=path, client_configuration=cfg)
+    cfg.connection_pool_maxsize = API_CONNECTIONS
     return client.ApiClient(cfg)
 
 

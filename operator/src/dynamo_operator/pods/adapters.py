@@ -7,8 +7,9 @@ get a long timeout of their own, and a bound of their own per pod (`loads_per_po
 downloads never hold up the quick requests (lists and unloads) that verification and deletion
 depend on, many adapters load on many pods at once, and no pod is sent more downloads than it
 fetches well side by side: each download already fetches its files in parallel, and on the
-test bed 20 adapters on 4 pods arrive sooner 2 at a time per pod than 4 (see
-tests/bench/bench_lora_adapter.py).
+test bed 20 adapters on 4 pods arrive sooner one at a time per pod than 2 or 4 (see
+tests/bench/bench_lora_adapter.py). A load still running after `load_slot_seconds` gives its
+slot up, so a stuck download holds the pod's next load back that long at most.
 
 Request bodies carry the adapter name and source (`uri`, optional `sha256`) and nothing
 else: workers download with the credentials in their own environment. Answers of
@@ -110,7 +111,8 @@ class LoraClient:
         session: aiohttp.ClientSession,
         *,
         concurrency: int = 16,
-        loads_per_pod: int = 2,
+        loads_per_pod: int = 1,
+        load_slot_seconds: float = 30.0,
         request_timeout_seconds: float = 5.0,
         load_timeout_seconds: float = 900.0,
         cache_seconds: float = 1.0,
@@ -119,6 +121,7 @@ class LoraClient:
     ) -> None:
         self._session = session
         self._loads_per_pod = loads_per_pod
+        self._load_slot_seconds = load_slot_seconds
         # Per pod IP: its load bound and how many loads hold or wait for it (dropped at 0).
         self._loads: dict[str, tuple[asyncio.Semaphore, int]] = {}
         self._quick = asyncio.Semaphore(concurrency)
@@ -206,13 +209,26 @@ class LoraClient:
 
     @contextlib.asynccontextmanager
     async def _pod_load_slot(self, ip: str) -> AsyncIterator[None]:
-        """Hold one of the pod's `loads_per_pod` load slots."""
+        """Hold one of the pod's `loads_per_pod` load slots, for `load_slot_seconds` at most."""
         bound, users = self._loads.get(ip) or (asyncio.Semaphore(self._loads_per_pod), 0)
         self._loads[ip] = (bound, users + 1)
+        held, timer = False, None
+
+        def give_up() -> None:
+            nonlocal held
+            if held:
+                held = False
+                bound.release()
+
         try:
-            async with bound:
-                yield
+            await bound.acquire()
+            held = True
+            timer = asyncio.get_running_loop().call_later(self._load_slot_seconds, give_up)
+            yield
         finally:
+            if timer is not None:
+                timer.cancel()
+            give_up()
             bound, users = self._loads[ip]
             if users == 1:
                 del self._loads[ip]
