@@ -67,6 +67,11 @@ def resolve_bin_dir() -> Path:
     return _built("build-binaries")
 
 
+def _gomodcache() -> Path:
+    cache = Path(os.environ.get("DYNAMO_TESTBED_CACHE", Path.home() / ".cache/dynamo-testbed"))
+    return cache / "gomod"
+
+
 def _start(layout: Layout, component: Component) -> None:
     say(f"starting {component.name}")
     daemons.start(layout, component.name, component.argv)
@@ -183,8 +188,7 @@ def up(layout: Layout, ports: Ports) -> None:
     write_admin_kubeconfig(layout.pki, server_url(ports), layout.kubeconfig)
     network.ensure_nftables()
     network.setup_host()
-    gomodcache = Path(os.environ.get("DYNAMO_TESTBED_CACHE", Path.home() / ".cache/dynamo-testbed"))
-    stages = kwok_stages(bin_dir, gomodcache / "gomod")
+    stages = kwok_stages(bin_dir, _gomodcache())
     for component in components(layout, ports, bin_dir, stages):
         _start(layout, component)
     _start_service_proxy(layout)
@@ -202,6 +206,23 @@ def up(layout: Layout, ports: Ports) -> None:
         raise SystemExit(f"the service proxy exited; see {layout.logs / PROXY}.log")
     say(f"ready in {time.monotonic() - started:.1f}s (Kubernetes {read_versions()['K8S_VERSION']})")
     print_env(layout)
+
+
+def restart_apiserver(layout: Layout, ports: Ports, down_seconds: float) -> None:
+    """Stop the kube-apiserver, leave it stopped for `down_seconds`, and start it again with
+    the same flags (the fault suite's "API server restarted"). etcd and every other component
+    keep running, and reconnect as they would to a restarted control plane."""
+    if not daemons.pid_of(layout, "kube-apiserver"):
+        raise SystemExit("the kube-apiserver is not running; start the test bed with `up`")
+    bin_dir = Path(layout.bin_dir_file.read_text().strip())
+    stages = kwok_stages(bin_dir, _gomodcache())
+    apiserver = next(
+        c for c in components(layout, ports, bin_dir, stages) if c.name == "kube-apiserver"
+    )
+    say("stopping kube-apiserver")
+    daemons.stop(layout, "kube-apiserver")
+    time.sleep(down_seconds)
+    _start(layout, apiserver)
 
 
 def down(layout: Layout) -> None:
@@ -249,14 +270,22 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("down", help="stop every process the test bed started and remove its network")
     sub.add_parser("status", help="show what runs (exit 1 unless everything does)")
     sub.add_parser("env", help="print `export KUBECONFIG=...` (and PATH for kubectl/helm)")
+    restart = sub.add_parser(
+        "restart-apiserver", help="stop the kube-apiserver, wait, and start it again"
+    )
+    restart.add_argument(
+        "--down-seconds", type=float, default=5.0, help="how long it stays stopped (5)"
+    )
     args = parser.parse_args(argv)
     layout, ports = Layout.from_env(), Ports()
-    if os.geteuid() != 0 and args.command in ("up", "down"):
+    if os.geteuid() != 0 and args.command in ("up", "down", "restart-apiserver"):
         raise SystemExit("hack/cluster needs root (it creates network namespaces and routes)")
     if args.command == "up":
         up(layout, ports)
     elif args.command == "down":
         down(layout)
+    elif args.command == "restart-apiserver":
+        restart_apiserver(layout, ports, args.down_seconds)
     elif args.command == "status":
         sys.exit(status(layout))
     else:

@@ -268,14 +268,19 @@ class ProcessNode:
         """Renew the Lease every 10 s and refresh the Ready condition every minute."""
         last_status = asyncio.get_running_loop().time()
         while True:
-            await self._renew_lease()
-            if asyncio.get_running_loop().time() - last_status >= NODE_STATUS_SECONDS:
-                status = node_manifest(self.node_name, self.ports.kubelet)["status"]
-                conditions = status["conditions"]
-                await self.core.patch_node_status(
-                    self.node_name, {"status": {"conditions": conditions}}
-                )
-                last_status = asyncio.get_running_loop().time()
+            # As the kubelet, the node outlives an API server that is gone for a while (the
+            # fault suite restarts it): a failed renewal is tried again at the next beat.
+            try:
+                await self._renew_lease()
+                if asyncio.get_running_loop().time() - last_status >= NODE_STATUS_SECONDS:
+                    status = node_manifest(self.node_name, self.ports.kubelet)["status"]
+                    conditions = status["conditions"]
+                    await self.core.patch_node_status(
+                        self.node_name, {"status": {"conditions": conditions}}
+                    )
+                    last_status = asyncio.get_running_loop().time()
+            except (ApiException, TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("node heartbeat failed: %r; again in %s s", exc, LEASE_RENEW_SECONDS)
             await asyncio.sleep(LEASE_RENEW_SECONDS)
 
     async def _renew_lease(self) -> None:
@@ -316,15 +321,15 @@ class ProcessNode:
         """List and watch the pods bound to this node and act on each change (level-based)."""
         selector = f"spec.nodeName={self.node_name}"
         while True:
-            listing = await self.core.list_pod_for_all_namespaces(field_selector=selector)
-            seen = {p.metadata.uid for p in listing.items}
-            for pod in listing.items:
-                await self.on_pod(pod)
-            for uid in list(self.pods):
-                if uid not in seen:
-                    await self.forget(uid)
-            version = listing.metadata.resource_version
             try:
+                listing = await self.core.list_pod_for_all_namespaces(field_selector=selector)
+                seen = {p.metadata.uid for p in listing.items}
+                for pod in listing.items:
+                    await self.on_pod(pod)
+                for uid in list(self.pods):
+                    if uid not in seen:
+                        await self.forget(uid)
+                version = listing.metadata.resource_version
                 async with watch.Watch() as w:
                     async for event in w.stream(
                         self.core.list_pod_for_all_namespaces,
@@ -809,6 +814,10 @@ class ProcessNode:
                 if exc.status == 404:
                     return
                 log.warning("status of %s/%s not written: %s", run.namespace, run.name, exc.reason)
+                await asyncio.sleep(1)
+                run.status_dirty.set()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("status of %s/%s not written: %r", run.namespace, run.name, exc)
                 await asyncio.sleep(1)
                 run.status_dirty.set()
 

@@ -48,8 +48,6 @@ from support.tiny_model import TinyModel
 from support.upstream import SAMPLE_ENGINE
 from support.worker_admin import chart_worker_admin
 
-pytestmark = [pytest.mark.bench, pytest.mark.cluster]
-
 GROUP, VERSION = "dynamo.dev", "v1alpha1"
 MINUTES = float(os.environ.get("DYNAMO_SOAK_MINUTES", "20"))
 WORKERS = int(os.environ.get("DYNAMO_SOAK_WORKERS", "200"))
@@ -58,6 +56,10 @@ DELETE_EVERY_SECONDS = 5.0
 IDLE_SECONDS = 60.0
 SETTLE_WITHIN = 900.0
 RECOVER_WITHIN = 180.0
+# The run's own length and its worst waits, past the suite's 10-minute test timeout.
+TIMEOUT_SECONDS = MINUTES * 60 + IDLE_SECONDS + SETTLE_WITHIN + RECOVER_WITHIN + 300
+
+pytestmark = [pytest.mark.bench, pytest.mark.cluster, pytest.mark.timeout(TIMEOUT_SECONDS)]
 POLL_SECONDS = 0.5
 FAKE_SPEC = {"replicas": 1, "resources": {"gpusPerPod": 0}}
 

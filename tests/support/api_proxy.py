@@ -18,9 +18,6 @@ Faults for the fault-injection suite:
 - `expire_watches(n)`: every open connection is closed (so the operator watches again from
   the resourceVersion it saw last), and the next `n` watches get what the API server sends for
   a resourceVersion compacted away: an ERROR event with a 410 Gone Status, then the end;
-- `outage(seconds)`: the API server is gone for that long, as the operator sees it: every
-  open connection is closed and new ones are closed at once (the real kube-apiserver, shared
-  by every test, keeps running).
 
 It runs on its own thread and event loop, so a test that blocks its own loop (waiting for a
 process) does not stall the operators' traffic.
@@ -105,7 +102,6 @@ class ApiProxy:
         self._kill: tuple[int, Callable[[], None]] | None = None
         self._killed = False
         self._failures: list[int] = []
-        self._down_until = 0.0
         self._expiring = 0
         self.injected = 0
         self.port = 0
@@ -148,14 +144,6 @@ class ApiProxy:
     def expiring(self) -> int:
         with self._lock:
             return self._expiring
-
-    def outage(self, seconds: float) -> None:
-        async def cut() -> None:
-            self._down_until = time.monotonic() + seconds
-            for writer in list(self._writers):
-                writer.close()
-
-        asyncio.run_coroutine_threadsafe(cut(), self._loop).result(10)
 
     def silence_watches(self) -> int:
         """Silence the watch streams open now; how many there were."""
@@ -217,9 +205,6 @@ class ApiProxy:
     async def _connection(
         self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
     ) -> None:
-        if time.monotonic() < self._down_until:
-            client_w.close()
-            return
         self._writers.add(client_w)
         try:
             upstream_r, upstream_w = await asyncio.open_connection(

@@ -209,12 +209,14 @@ async def test_kopfs_session_holds_at_most_its_bound_of_connections_open() -> No
     """kopf's session (`kopf_session`, no fence without leader election) opens no more than
     its bound of connections however many requests are in flight; the rest wait their turn."""
     in_flight, most = 0, 0
-    release = asyncio.Event()
+    release, three = asyncio.Event(), asyncio.Event()
 
     async def held(request: web.Request) -> web.Response:
         nonlocal in_flight, most
         in_flight += 1
         most = max(most, in_flight)
+        if most == 3:
+            three.set()
         await release.wait()
         in_flight -= 1
         return web.json_response({})
@@ -231,8 +233,7 @@ async def test_kopfs_session_holds_at_most_its_bound_of_connections_open() -> No
                     return response.status
 
             requests = [asyncio.create_task(patch(i)) for i in range(10)]
-            while most < 3:  # the server sees the first three
-                await asyncio.sleep(0.01)
+            await three.wait()  # the server sees the first three
             await asyncio.sleep(0.2)  # and no fourth while they are held
             assert most == 3
             release.set()
