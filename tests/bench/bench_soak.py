@@ -42,10 +42,9 @@ from support.api_cases import dynamo_worker, lora_adapter
 from support.api_proxy import ApiProxy, api_proxy
 from support.cluster import Cluster, create_test_namespace
 from support.fault_matrix import release_finalizers
-from support.operator_namespace import ON_PROCESS_NODE
+from support.operator_namespace import serving_worker_spec
 from support.operator_process import OperatorProcess, start_operator
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE
 from support.worker_admin import chart_worker_admin
 
 GROUP, VERSION = "dynamo.dev", "v1alpha1"
@@ -194,15 +193,7 @@ async def create_objects(soak: Soak, shared: Path) -> None:
         target = {"workerRef": {"name": fake_name(i)}}
         bodies.append(("loraadapters", lora_adapter(fake_name(i), target)))
     for i in range(SERVING):
-        spec: dict[str, Any] = {
-            "model": {"name": "tiny-llama", "source": str(shared / "base")},
-            "replicas": 2,
-            "engine": {"class": SAMPLE_ENGINE},
-            "resources": {"gpusPerPod": 0},
-            "lora": {"enabled": True},
-            "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
-            "pod": ON_PROCESS_NODE,
-        }
+        spec = serving_worker_spec(shared / "base")
         bodies.append(("dynamoworkers", dynamo_worker(served_name(i), spec)))
         source = {"uri": (shared / "sql-lora").as_uri()}
         adapter = {"workerRef": {"name": served_name(i)}, "source": source}

@@ -22,13 +22,12 @@ from support.cluster import Cluster
 from support.operator_namespace import (
     GROUP,
     MERGE,
-    ON_PROCESS_NODE,
     VERSION,
     OperatorNamespace,
     operator_namespace,
+    serving_worker_spec,
 )
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE
 
 pytestmark = pytest.mark.e2e
 
@@ -94,15 +93,7 @@ async def bed(
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "DynamoWorker",
             "metadata": {"name": WORKER},
-            "spec": {
-                "model": {"name": "tiny-llama", "source": str(space.shared / "base")},
-                "replicas": 2,
-                "engine": {"class": SAMPLE_ENGINE},
-                "resources": {"gpusPerPod": 0},
-                "lora": {"enabled": True},
-                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
-                "pod": ON_PROCESS_NODE,
-            },
+            "spec": serving_worker_spec(space.shared / "base"),
         }
         await space.create("dynamoworkers", worker)
         await bed.eventually(

@@ -27,6 +27,7 @@ from dynamo_operator.k8s.client import Cluster as OperatorCluster
 from dynamo_operator.reconcile.crds import install_crds
 from support.cluster import Cluster, eventually
 from support.operator_process import OperatorProcess, start_operator
+from support.upstream import SAMPLE_ENGINE
 from support.worker_admin import chart_worker_admin
 
 T = TypeVar("T")
@@ -39,6 +40,20 @@ ON_PROCESS_NODE: dict[str, Any] = {
         {"key": "dynamo.dev/process-node", "operator": "Exists", "effect": "NoSchedule"}
     ],
 }
+
+
+def serving_worker_spec(base_model: Path, replicas: int = 2) -> dict[str, Any]:
+    """A DynamoWorker spec whose pods serve the tiny model at `base_model` with the sample
+    engine on the process node, LoRA enabled, and no drain wait on deletion."""
+    return {
+        "model": {"name": "tiny-llama", "source": str(base_model)},
+        "replicas": replicas,
+        "engine": {"class": SAMPLE_ENGINE},
+        "resources": {"gpusPerPod": 0},
+        "lora": {"enabled": True},
+        "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
+        "pod": ON_PROCESS_NODE,
+    }
 
 
 @dataclass
