@@ -37,6 +37,7 @@ from dynamo_operator.reconcile.crds import install_crds
 from support import bench_plots
 from support.cluster import Cluster, eventually
 from support.lora_adapters import big_adapter_files
+from support.operator_namespace import serving_worker_spec
 from support.operator_process import start_operator
 from support.s3 import S3Server, testbed_s3_server
 from support.worker_admin import chart_worker_admin
@@ -114,21 +115,12 @@ async def test_lora_adapter_figures(
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "DynamoWorker",
             "metadata": {"name": "bench"},
-            "spec": {
-                "model": {"name": "sample", "source": "/models/sample"},
-                "replicas": PODS,
-                "engine": {"class": "dynamo.engines.sample:SampleEngine"},
-                "resources": {"gpusPerPod": 0},
-                "lora": {"enabled": True, "maxLoras": MANY + 2},
-                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
-                "credentials": {"s3": {"secretName": "s3-creds", "endpoint": s3.endpoint_url}},
-                "pod": {
-                    "nodeSelector": {"dynamo.dev/node-kind": "process"},
-                    "tolerations": [
-                        {"key": "dynamo.dev/process-node", "operator": "Exists"},
-                    ],
-                },
-            },
+            "spec": serving_worker_spec(
+                "/models/sample",
+                PODS,
+                max_loras=MANY + 2,
+                s3={"secretName": "s3-creds", "endpoint": s3.endpoint_url},
+            ),
         }
         await custom.create_namespaced_custom_object(
             GROUP, VERSION, namespace, "dynamoworkers", worker

@@ -112,6 +112,12 @@ class Soak:
         )
         return list(listing["items"])
 
+    async def workers(self) -> list[dict[str, Any]]:
+        listing = await self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "dynamoworkers"
+        )
+        return list(listing["items"])
+
     async def pods(self, worker: str) -> list[Any]:
         listing = await self.core.list_namespaced_pod(
             self.namespace, label_selector=f"dynamo.dev/worker={worker}"
@@ -203,9 +209,20 @@ async def create_objects(soak: Soak, shared: Path) -> None:
     )
 
 
+def worker_ready(worker: dict[str, Any]) -> bool:
+    """Ready=True for the current generation: the status tail of its rollout is over, so the
+    idle minute that follows measures an operator with nothing to do."""
+    ready = _conditions(worker).get("Ready") or {}
+    generation = worker["metadata"].get("generation")
+    return ready.get("status") == "True" and ready.get("observedGeneration") == generation
+
+
 async def all_settled(soak: Soak) -> bool:
     adapters = await soak.adapters()
     if len(adapters) != WORKERS or not all(map(settled, adapters)):
+        return False
+    workers = await soak.workers()
+    if len(workers) != WORKERS or not all(map(worker_ready, workers)):
         return False
     for i in range(SERVING):
         ready = await soak.ready_pods(served_name(i))

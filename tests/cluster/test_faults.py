@@ -80,10 +80,9 @@ from support.fault_matrix import (
     check_invariants,
     run_scenario,
 )
-from support.operator_namespace import ON_PROCESS_NODE
+from support.operator_namespace import serving_worker_spec
 from support.s3 import S3Server, testbed_s3_server
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE
 from support.worker_admin import chart_worker_admin
 
 pytestmark = pytest.mark.cluster
@@ -166,20 +165,10 @@ async def _create_lora_worker(space: Space) -> None:
     }
     await client.CoreV1Api(space.api).create_namespaced_secret(space.namespace, secret)
     spec = {
-        "model": {"name": "tiny-llama", "source": str(space.lora.model)},
-        "replicas": 2,
-        "engine": {"class": SAMPLE_ENGINE},
-        "resources": {"gpusPerPod": 0},
-        "lora": {"enabled": True},
-        "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
-        "credentials": {
-            "s3": {
-                "secretName": CREDENTIALS,
-                "endpoint": s3.endpoint_url,
-                "region": "us-east-1",
-            }
-        },
-        "pod": ON_PROCESS_NODE,
+        **serving_worker_spec(
+            space.lora.model,
+            s3={"secretName": CREDENTIALS, "endpoint": s3.endpoint_url, "region": "us-east-1"},
+        ),
         "frontend": {"image": "registry.invalid/dynamo-frontend:test"},
     }
     await space.custom.create_namespaced_custom_object(

@@ -43,9 +43,11 @@ from support.operator_namespace import (
     GROUP,
     MERGE,
     ON_PROCESS_NODE,
+    TRANSFORMERS_ENGINE,
     VERSION,
     OperatorNamespace,
     operator_namespace,
+    serving_worker_spec,
 )
 from support.s3 import S3Server, testbed_s3_server
 from support.tiny_model import TinyModel
@@ -56,7 +58,6 @@ from testbed.network import netns_name
 pytestmark = pytest.mark.e2e
 __all__ = ["testbed_s3_server"]
 
-ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
 WORKER = "tiny"
 MAX_LORAS = 2
 UNLOAD_BOUND_SECONDS = 10.0
@@ -266,20 +267,17 @@ async def bed(
             "kind": "DynamoWorker",
             "metadata": {"name": WORKER},
             "spec": {
-                "model": {"name": "tiny-llama", "source": str(space.shared / "base")},
-                "replicas": 2,
-                "engine": {"class": ENGINE},
-                "resources": {"gpusPerPod": 0},
-                "lora": {"enabled": True, "maxLoras": MAX_LORAS},
-                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
-                "credentials": {
-                    "s3": {
+                **serving_worker_spec(
+                    space.shared / "base",
+                    2,
+                    engine=TRANSFORMERS_ENGINE,
+                    max_loras=MAX_LORAS,
+                    s3={
                         "secretName": "s3-creds",
                         "endpoint": s3.endpoint_url,
                         "region": "us-east-1",
-                    }
-                },
-                "pod": ON_PROCESS_NODE,
+                    },
+                ),
                 "networkPolicy": {"systemPortNamespaces": [bed.metrics_namespace]},
             },
         }

@@ -32,10 +32,11 @@ from support.cluster import Cluster
 from support.dynamo_workers import condition
 from support.operator_namespace import (
     GROUP,
-    ON_PROCESS_NODE,
+    TRANSFORMERS_ENGINE,
     VERSION,
     OperatorNamespace,
     operator_namespace,
+    serving_worker_spec,
 )
 from support.s3 import TESTBED_HOST, S3Server
 from support.s3_sigv4 import sigv4_s3_server
@@ -43,7 +44,6 @@ from support.tiny_model import TinyModel
 
 pytestmark = pytest.mark.e2e
 
-ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
 WORKER = "tiny"
 ADAPTER = "sql"
 SECRET = "s3-creds"
@@ -188,22 +188,13 @@ async def bed(
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": "DynamoWorker",
                 "metadata": {"name": WORKER},
-                "spec": {
-                    "model": {"name": "tiny-llama", "source": str(space.shared / "base")},
-                    "replicas": 1,
-                    "engine": {"class": ENGINE},
-                    "resources": {"gpusPerPod": 0},
-                    "lora": {"enabled": True, "maxLoras": 1},
-                    "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
-                    "credentials": {
-                        "s3": {
-                            "secretName": SECRET,
-                            "endpoint": s3.endpoint_url,
-                            "region": "us-east-1",
-                        }
-                    },
-                    "pod": ON_PROCESS_NODE,
-                },
+                "spec": serving_worker_spec(
+                    space.shared / "base",
+                    1,
+                    engine=TRANSFORMERS_ENGINE,
+                    max_loras=1,
+                    s3={"secretName": SECRET, "endpoint": s3.endpoint_url, "region": "us-east-1"},
+                ),
             }
             await space.create("dynamoworkers", worker)
             await bed.ready_pods(within=180)

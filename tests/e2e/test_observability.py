@@ -32,7 +32,12 @@ import pytest_asyncio
 from kubernetes_asyncio import client
 
 from support.cluster import REPO, Cluster, eventually
-from support.operator_namespace import ON_PROCESS_NODE, OperatorNamespace, operator_namespace
+from support.operator_namespace import (
+    TRANSFORMERS_ENGINE,
+    OperatorNamespace,
+    operator_namespace,
+    serving_worker_spec,
+)
 from support.operator_process import free_port
 from support.prometheus import (
     RULES,
@@ -50,7 +55,6 @@ from testbed.layout import GATEWAY_IP
 
 pytestmark = pytest.mark.e2e
 
-ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
 WORKER = "tiny"
 ADAPTER, BROKEN = "sql", "missing"
 OPERATOR_SERVICE = "dynamo-operator-metrics"
@@ -188,15 +192,11 @@ async def bed(
             "kind": "DynamoWorker",
             "metadata": {"name": WORKER},
             "spec": {
-                "model": {"name": "tiny-llama", "source": str(space.shared / "base")},
-                "replicas": 1,
-                "engine": {"class": ENGINE},
-                "resources": {"gpusPerPod": 0},
-                "lora": {"enabled": True, "maxLoras": 2},
-                "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
+                **serving_worker_spec(
+                    space.shared / "base", 1, engine=TRANSFORMERS_ENGINE, max_loras=2
+                ),
                 # So that drive_traffic can have a request refused by the budget.
                 "tokenBudget": {"combinedLimit": 64, "rejectTotalOverflow": True},
-                "pod": ON_PROCESS_NODE,
             },
         }
         await space.create("dynamoworkers", worker)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,8 @@ from support.upstream import SAMPLE_ENGINE
 from support.worker_admin import chart_worker_admin
 
 T = TypeVar("T")
+# The engine that serves the tiny model with real LoRA math (peft), for the e2e tests.
+TRANSFORMERS_ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
 GROUP, VERSION = "dynamo.dev", "v1alpha1"
 MERGE: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
 # Worker pods go to the process node (tainted so that nothing else lands there).
@@ -42,18 +44,32 @@ ON_PROCESS_NODE: dict[str, Any] = {
 }
 
 
-def serving_worker_spec(base_model: Path, replicas: int = 2) -> dict[str, Any]:
-    """A DynamoWorker spec whose pods serve the tiny model at `base_model` with the sample
-    engine on the process node, LoRA enabled, and no drain wait on deletion."""
-    return {
+def serving_worker_spec(
+    base_model: Path | str,
+    replicas: int = 2,
+    *,
+    engine: str = SAMPLE_ENGINE,
+    max_loras: int | None = None,
+    s3: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A DynamoWorker spec whose pods serve the tiny model at `base_model` with `engine` on
+    the process node, LoRA enabled (`max_loras` slots, else the default), no drain wait on
+    deletion, and `s3` as spec.credentials.s3 when given (secretName, endpoint, region)."""
+    lora: dict[str, Any] = {"enabled": True}
+    if max_loras is not None:
+        lora["maxLoras"] = max_loras
+    spec: dict[str, Any] = {
         "model": {"name": "tiny-llama", "source": str(base_model)},
         "replicas": replicas,
-        "engine": {"class": SAMPLE_ENGINE},
+        "engine": {"class": engine},
         "resources": {"gpusPerPod": 0},
-        "lora": {"enabled": True},
+        "lora": lora,
         "drain": {"gracePeriodSeconds": 0, "drainTimeoutSeconds": 1},
         "pod": ON_PROCESS_NODE,
     }
+    if s3 is not None:
+        spec["credentials"] = {"s3": dict(s3)}
+    return spec
 
 
 @dataclass

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from dynamo_operator.api.conditions import now as utc_now
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError, Cluster
 
@@ -80,13 +79,20 @@ def event_manifest(
     }
 
 
+def event_time_now() -> datetime:
+    """The current time to the microsecond, not to the second conditions are stored with:
+    Events are ordered by their eventTime, and a worker's creation and its readiness can
+    fall within one second."""
+    return datetime.now(UTC)
+
+
 @dataclass
 class EventRecorder:
     """Records Events as `reporting_instance` (the operator pod's name)."""
 
     cluster: Cluster
     reporting_instance: str = "dynamo-operator"
-    clock: Callable[[], datetime] = utc_now
+    clock: Callable[[], datetime] = event_time_now
 
     async def record(
         self,

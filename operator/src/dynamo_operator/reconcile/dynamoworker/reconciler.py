@@ -114,7 +114,7 @@ class WorkerReconciler:
     def __post_init__(self) -> None:
         self._status = StatusWriter(self.cluster, kinds.DYNAMO_WORKER, DynamoWorkerStatus)
         self.children = ChildReader(self.cluster)
-        self._events = EventRecorder(self.cluster, self.reporting_instance, self.clock)
+        self._events = EventRecorder(self.cluster, self.reporting_instance)
 
     async def refresh_cluster_facts(self) -> ReconcileSettings:
         """The settings, with the PodMonitor CRD's presence re-checked when it is due."""

@@ -144,7 +144,7 @@ class LoraReconciler:
         # failed finalizer patch), and its Events must still be posted once per deletion.
         self._reported_deletions: OrderedDict[str, None] = OrderedDict()
         self._status = StatusWriter(cluster, kinds.LORA_ADAPTER, LoRAAdapterStatus)
-        self._events = EventRecorder(cluster, reporting_instance, clock)
+        self._events = EventRecorder(cluster, reporting_instance)
 
     # --- reconcile ------------------------------------------------------------------------
 
