@@ -9,6 +9,7 @@ plane, worker pods on the fake GPU nodes.
 - Children created and deleted out of band converge from the operator's watches alone (no
   resync, no read of a child from the API server): one of each, owned by the worker.
 - A restarted operator makes no writes to converged children.
+- The status writer knows the watch event of its own write (its echo) and when it wrote.
 - (Killed right after each of its writes: tests/cluster/test_faults.py.)
 """
 
@@ -24,8 +25,11 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo_operator.api.crd import dynamo_worker_metadata_crd
+from dynamo_operator.api.dynamoworker import DynamoWorkerStatus
+from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import Cluster as OperatorCluster
 from dynamo_operator.reconcile.crds import install_crds
+from dynamo_operator.reconcile.status_writer import StatusWriter
 from support.cluster import Cluster, eventually
 from support.dynamo_workers import (
     GROUP,
@@ -77,6 +81,11 @@ async def test_worker_lifecycle(
             )
             ordered = sorted(listed.items, key=lambda e: e.event_time)
             return [(e.reason, e.note) for e in ordered]
+
+        # kopf keeps only its finalizer on the object: no progress or diff-base annotation.
+        assert worker["metadata"]["finalizers"] == ["dynamo.dev/finalizer"]
+        annotations = worker["metadata"].get("annotations") or {}
+        assert not [a for a in annotations if a.startswith("dynamo.dev/")], annotations
 
         news = await eventually(creation_events, 20, lambda got: len(got) >= 2)
         assert [reason for reason, _ in news] == ["RollingOut", "AllReplicasReady"], news
@@ -323,7 +332,7 @@ async def test_restart_on_converged_workers_writes_nothing(
 
     with running_operator(cluster, [namespace], log) as operator:
         await operator.wait_serving()
-        # The resume handler and at least one resync have run for every worker.
+        # Every worker's daemon has made its first pass, and at least one resync has run.
         await eventually(lambda: asyncio.to_thread(operator.reconciles), 30, lambda n: n >= 6)
         assert operator.requests() == 0, failure_context(operator)
         # It looked at every child, in the memory its watches fill.
@@ -347,3 +356,32 @@ async def test_upstream_metadata_crd_is_left_alone(
     assert cluster_client.writes == 0
     after = (await ext.read_custom_resource_definition(name)).metadata.resource_version
     assert after == before
+
+
+async def test_status_writer_knows_its_own_echo(
+    api: client.ApiClient, namespace: str, crds: None
+) -> None:
+    now = [100.0]
+    writer = StatusWriter(
+        OperatorCluster(api), kinds.DYNAMO_WORKER, DynamoWorkerStatus, monotonic=lambda: now[0]
+    )
+    created = await create_worker(api, namespace, "echo")
+    assert not writer.is_echo(created["metadata"])
+    assert writer.seconds_since_write(created["metadata"]) is None
+    existing = writer.normalized(created.get("status"))
+    assert await writer.write(created["metadata"], existing, {**existing, "replicas": 2})
+    now[0] += 0.25
+    assert writer.seconds_since_write(created["metadata"]) == 0.25
+    # What the watch (here, a read) then delivers is our write: no reconcile needed.
+    after_write = await get_worker(api, namespace, "echo")
+    assert after_write["status"]["replicas"] == 2
+    assert writer.is_echo(after_write["metadata"])
+    # Anyone else's change (a label here) is not.
+    await client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "echo", {"metadata": {"labels": {"team": "a"}}},
+        **MERGE_PATCH,
+    )  # fmt: skip
+    assert not writer.is_echo((await get_worker(api, namespace, "echo"))["metadata"])
+    writer.forget(created["metadata"]["uid"])
+    assert not writer.is_echo(after_write["metadata"])
+    assert writer.seconds_since_write(created["metadata"]) is None

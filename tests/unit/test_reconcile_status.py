@@ -15,7 +15,12 @@ from dynamo_operator.api.dynamoworker import DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodProblem, PodSummary
-from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
+from dynamo_operator.reconcile.dynamoworker.status import (
+    STATUS_HOLD_SECONDS,
+    WorkerObservation,
+    compute_status,
+    status_hold_seconds,
+)
 from dynamo_operator.reconcile.dynamoworker.transitions import note, transitions
 from dynamo_operator.reconcile.events import Regarding, event_manifest
 from support.api_cases import dynamo_worker
@@ -579,3 +584,36 @@ def test_a_failing_frontend_degrades() -> None:
     assert "llm-frontend" in message(status, "Degraded")
     assert "spec.frontend.image" in message(status, "Degraded")
     assert conditions(status)["Ready"] == ("False", "WaitingForFrontend")
+
+
+def test_only_a_rollouts_intermediate_statuses_are_held_back() -> None:
+    applied = compute_status(
+        worker(), WorkerObservation(now=T0, deployment=deployment(ready=0, observed=4))
+    )
+    starting = compute_status(
+        worker(status=applied), WorkerObservation(now=T0, deployment=deployment(ready=0))
+    )
+    ready = compute_status(
+        worker(status=starting), WorkerObservation(now=T0, deployment=deployment())
+    )
+    assert conditions(applied)["Progressing"] == ("True", "RollingOut")
+    assert conditions(starting)["Progressing"] == ("True", "ScalingUp")
+    # Within the hold of our last write, a rollout's next step waits for the steps after it.
+    assert status_hold_seconds(applied, starting, 0.25) == STATUS_HOLD_SECONDS - 0.25
+    # Written at once: after the hold, with no write by this process yet, on a condition's
+    # transition (here Ready, which ends the rollout), and for a new generation.
+    assert status_hold_seconds(applied, starting, STATUS_HOLD_SECONDS) == 0
+    assert status_hold_seconds(applied, starting, None) == 0
+    assert conditions(ready)["Ready"][0] == "True"
+    assert status_hold_seconds(starting, ready, 0.25) == 0
+    degraded = compute_status(
+        worker(status=starting),
+        WorkerObservation(now=T0, deployment=deployment(ready=0), child_errors=["Role r: no"]),
+    )
+    assert conditions(degraded)["Degraded"][0] == "True"
+    assert status_hold_seconds(starting, degraded, 0.25) == 0
+    next_generation = compute_status(
+        worker(generation=4, status=ready),
+        WorkerObservation(now=T0, deployment=deployment(ready=0)),
+    )
+    assert status_hold_seconds(ready, next_generation, 0.25) == 0

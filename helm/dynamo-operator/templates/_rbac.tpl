@@ -7,8 +7,8 @@ rules against the code.
 
 {{/* Rules on namespaced kinds: in the ClusterRole (cluster scope) or in each watched namespace's Role. */}}
 {{- define "dynamo-operator.namespacedRules" -}}
-# DynamoWorkers: kopf lists and watches them, and patches them to keep its finalizer and its
-# progress and last-handled-configuration annotations (dynamo.dev/...).
+# DynamoWorkers: kopf lists and watches them, and patches them to keep its finalizer (its
+# per-object daemon is stopped before the object goes).
 - apiGroups: ["dynamo.dev"]
   resources: ["dynamoworkers"]
   verbs: ["list", "watch", "patch"]

@@ -1,14 +1,18 @@
 """kopf handlers for DynamoWorker: glue between kopf's events and `WorkerReconciler`.
 
-- One reconcile on create, update and resume (kopf retries it on transient errors).
-- A daemon per DynamoWorker (`resync.resync_loop`) that reconciles again whenever one of its
-  children changes (any child the operator applies, its pods, their DynamoWorkerMetadata)
-  and at least every resync period.
+- A daemon per DynamoWorker (`resync.resync_loop`) is its one reconciler: it reconciles as
+  soon as kopf sees the object (a new one, or every one when the operator starts), again
+  whenever the DynamoWorker or one of its children changes (any child the operator applies,
+  its pods, their DynamoWorkerMetadata), after `RETRY_DELAY_SECONDS` when the API server
+  refused, and at least every resync period.
+- The DynamoWorker's own watch events wake it, except the echo of our own status write.
+  There is no create or update handler: kopf would store a diff base on every object for
+  it (one more PATCH each), and a second path into the reconciler.
 
 What a reconcile reads comes from the indices (`indices.Indices`), children included, so a
 pass over a converged worker sends no request. Handlers return nothing (kopf would store a
-return value in status). Per-worker reconciles are serialized by a lock, so a change handler
-and the daemon never interleave; all reconciles share the context's bounded slots.
+return value in status). Per-worker reconciles are serialized by a lock; all reconciles share
+the context's bounded slots.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ RETRY_DELAY_SECONDS = 5.0
 log = logging.getLogger(__name__)
 
 
-async def reconcile_now(body: kopf.Body, memo: OperatorContext, indices: Indices) -> None:
-    """Reconcile one DynamoWorker with what the indices hold; raises TransientError."""
+async def reconcile_now(body: kopf.Body, memo: OperatorContext, indices: Indices) -> float | None:
+    """Reconcile one DynamoWorker with what the indices hold; the seconds until it wants to
+    run again (None: at the next trigger or resync). Raises TransientError."""
     namespace, name = namespace_of(body.metadata.namespace), str(body.metadata.name)
     worker = WorkerInfo(name=name, labels=dict(body.metadata.labels or {}))
     required = required_adapters(worker, indices.adapters(namespace))
@@ -74,24 +79,11 @@ async def reconcile_now(body: kopf.Body, memo: OperatorContext, indices: Indices
         # Once per change of status, not once per resync.
         level = logging.WARNING if outcome.status_written else logging.DEBUG
         log.log(level, "DynamoWorker %s/%s not reconciled: %s", namespace, name, outcome.spec_error)
+    return outcome.wake_in_seconds
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
     """Register the DynamoWorker handlers on `registry`."""
-
-    @kopf.on.resume(*DW, id="reconcile", registry=registry, backoff=RETRY_DELAY_SECONDS)
-    @kopf.on.create(*DW, id="reconcile", registry=registry, backoff=RETRY_DELAY_SECONDS)
-    @kopf.on.update(*DW, id="reconcile", registry=registry, backoff=RETRY_DELAY_SECONDS)
-    async def reconcile_dynamoworker(
-        body: kopf.Body,
-        memo: OperatorContext,
-        **kwargs: Any,
-    ) -> None:
-        try:
-            async with memo.reconcile_slots:
-                await reconcile_now(body, memo, Indices.of(kwargs))
-        except TransientError as err:
-            raise kopf.TemporaryError(str(err), delay=RETRY_DELAY_SECONDS) from err
 
     @kopf.daemon(
         *DW, id="resync", registry=registry, cancellation_backoff=2.0, cancellation_timeout=5.0
@@ -107,26 +99,45 @@ def register(registry: kopf.OperatorRegistry) -> None:
     ) -> None:
         namespace = namespace_of(namespace)
 
-        async def reconcile(full: bool) -> None:
+        async def reconcile(full: bool) -> float | None:
             # Every pass is a full one: the children are read from memory.
             try:
-                await reconcile_now(body, memo, Indices.of(kwargs))
+                return await reconcile_now(body, memo, Indices.of(kwargs))
             except TransientError as err:
-                log.warning("DynamoWorker %s/%s: will retry: %s", namespace, name, err)
+                log.warning(
+                    "DynamoWorker %s/%s: will retry in %.0f s: %s",
+                    namespace,
+                    name,
+                    RETRY_DELAY_SECONDS,
+                    err,
+                )
+                return RETRY_DELAY_SECONDS
             except Exception:
                 log.exception(
                     "DynamoWorker %s/%s: reconcile failed; retrying at the next resync",
                     namespace,
                     name,
                 )
+            return None
 
         try:
-            # The create or resume handler has just reconciled it.
-            await resync_loop(
-                memo, (DYNAMO_WORKER, namespace, name), stopped, reconcile, at_start=False
-            )
+            await resync_loop(memo, (DYNAMO_WORKER, namespace, name), stopped, reconcile)
         finally:
             memo.services.reconciler.forget(namespace, name, uid)
+
+    @kopf.on.event(*DW, id="dynamoworker_changed", registry=registry)
+    async def dynamoworker_changed(
+        event: kopf.RawEvent,
+        name: str,
+        namespace: str | None,
+        meta: kopf.Meta,
+        memo: OperatorContext,
+        **_: Any,
+    ) -> None:
+        # The initial listing needs nothing: every daemon reconciles when it starts.
+        if event.get("type") is None or memo.services.reconciler.is_echo(meta):
+            return
+        memo.wake(DYNAMO_WORKER, namespace_of(namespace), name)
 
     for kind in CHILD_KINDS:
         _register_child_changed(registry, kind)

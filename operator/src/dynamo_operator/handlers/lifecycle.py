@@ -1,8 +1,11 @@
 """kopf settings, startup and cleanup, login, and the liveness probes.
 
 Settings are deliberate rather than kopf's defaults:
-- our finalizer name and `dynamo.dev/` annotations for kopf's progress and diff-base records
-  (changing storage later can duplicate work, so they are fixed from day one);
+- our finalizer name and `dynamo.dev/` annotations for kopf's progress records (changing
+  storage later can duplicate work, so they are fixed from day one);
+- no diff base (`NoDiffBase`): no handler reacts to a diff (no create, update or resume
+  handler; each kind's daemon reconciles, woken by watch events), so storing kopf's
+  last-handled-configuration annotation would cost one PATCH per object for nothing;
 - only WARNING and above from kopf's own log become Kubernetes Events (the reconciler
   records its own Events for condition transitions);
 - watches: the API server is asked to end each watch after `WATCH_SERVER_TIMEOUT_SECONDS`
@@ -74,6 +77,18 @@ def kopf_connections(config: OperatorConfig) -> int:
     return len(WATCHED_RESOURCES) * namespaces + KOPF_REQUEST_CONNECTIONS
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's diff-base storage that stores nothing: every object looks new to kopf, which
+    matters only to create, update and resume handlers, and this operator has none (a unit
+    test holds the registry to that)."""
+
+    def fetch(self, *, body: kopf.Body) -> None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 def operator_settings() -> kopf.OperatorSettings:
     """kopf's settings for this operator."""
     settings = kopf.OperatorSettings()
@@ -81,9 +96,7 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX
     )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_SECONDS
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_SECONDS

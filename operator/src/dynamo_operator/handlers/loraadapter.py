@@ -88,7 +88,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             return await reconcile_adapter(body, memo, Indices.of(kwargs))
 
         key = (LORA_ADAPTER, namespace_of(namespace), name)
-        await resync_loop(memo, key, stopped, reconcile, at_start=True)
+        await resync_loop(memo, key, stopped, reconcile)
 
     @kopf.on.event(*LORA, id="lora_changed", registry=registry)
     async def lora_changed(

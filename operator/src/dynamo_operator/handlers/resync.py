@@ -1,11 +1,13 @@
 """The one resync loop, for both kinds: a kopf daemon per object runs it.
 
-It reconciles whenever the object's trigger is set (after a short debounce, so a burst of
-events such as pods becoming ready leads to one reconcile), when the last reconcile asked to
-run again (a LoRAAdapter's backoff ending), and at least every resync period (a full pass,
-which repairs drift no watch reports). Each pass holds one of the context's reconcile slots,
-and the trigger is cleared only once the slot is held: whatever arrives while the object
-waits for one (a watch event, a pod change, the resync) is coalesced into that one pass.
+It reconciles once when it starts (kopf starts it when it first sees the object: a new one,
+or every one when the operator starts), then whenever the object's trigger is set (after a
+short debounce, so a burst of events such as pods becoming ready leads to one reconcile),
+when the last reconcile asked to run again (a LoRAAdapter's backoff ending, a refused
+request), and at least every resync period (a full pass, which repairs drift no watch
+reports). Each pass holds one of the context's reconcile slots, and the trigger is cleared
+only once the slot is held: whatever arrives while the object waits for one (a watch event, a
+pod change, the resync) is coalesced into that one pass.
 """
 
 from __future__ import annotations
@@ -33,23 +35,17 @@ async def resync_loop(
     key: tuple[str, str, str],
     stopped: kopf.DaemonStopped,
     reconcile: Reconcile,
-    *,
-    at_start: bool,
 ) -> None:
-    """Run `reconcile` for the object `key` (kind, namespace, name) until `stopped`.
-    `at_start`: reconcile once before waiting (a DynamoWorker's create or resume handler has
-    just reconciled it; a LoRAAdapter has no such handler)."""
+    """Run `reconcile` for the object `key` (kind, namespace, name) until `stopped`."""
     kind = key[0]
     trigger = memo.trigger(*key)
     memo.metrics.managed_objects.labels(kind=kind).inc()
     resync = memo.config.resync_seconds
     try:
         last_full = time.monotonic()
-        wake: float | None = None
-        if at_start:
-            async with memo.reconcile_slots:
-                trigger.clear()
-                wake = await reconcile(True)
+        async with memo.reconcile_slots:
+            trigger.clear()
+            wake = await reconcile(True)
         while not stopped:
             wait = last_full + resync - time.monotonic()
             if wake is not None:

@@ -3,14 +3,16 @@
 The watch delivers an object some time after our status write lands, so a reconcile that runs
 meanwhile still sees the status that write replaced. `StatusWriter.current` returns our last
 write in that case; computing from it keeps condition transition times and Events right, and
-does not write the same status twice. A status is compared as `compute` would write it (the
+does not write the same status twice. `is_echo` tells the watch event that reports our own
+write, which needs no reconcile. A status is compared as `compute` would write it (the
 status model's defaults filled, unknown fields dropped), so the two compare equal exactly
 when a write would change nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +29,14 @@ class StatusWriter:
     cluster: Cluster
     kind: kinds.Kind
     status_model: type[StatusModel]
+    monotonic: Callable[[], float] = time.monotonic
     # Per object uid: the status it had before our last write, and the status we wrote.
     _written: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(
         default_factory=dict, init=False
     )
+    # Per object uid: the resourceVersion our last write gave it, and when it was written.
+    _versions: dict[str, str] = field(default_factory=dict, init=False)
+    _written_at: dict[str, float] = field(default_factory=dict, init=False)
 
     def normalized(self, raw: Mapping[str, Any] | None) -> dict[str, Any]:
         """A stored status as a reconcile would write it."""
@@ -56,16 +62,33 @@ class StatusWriter:
         patch: dict[str, Any] = {key: None for key in existing if key not in new}
         patch.update(new)
         try:
-            await self.cluster.patch_status(
+            result = await self.cluster.patch_status(
                 self.kind, str(meta["namespace"]), str(meta["name"]), patch
             )
         except ApiError as err:
             if err.status == 404:  # deleted meanwhile
                 return False
             raise TransientError(str(err)) from err
-        self._written[str(meta.get("uid", ""))] = (existing, new)
+        uid = str(meta.get("uid", ""))
+        self._written[uid] = (existing, new)
+        self._written_at[uid] = self.monotonic()
+        version = (result.get("metadata") or {}).get("resourceVersion")
+        if version:
+            self._versions[uid] = str(version)
         return True
+
+    def seconds_since_write(self, meta: Mapping[str, Any]) -> float | None:
+        """Seconds since our last status write to the object at `meta` (None: none yet)."""
+        written = self._written_at.get(str(meta.get("uid", "")))
+        return None if written is None else self.monotonic() - written
+
+    def is_echo(self, meta: Mapping[str, Any]) -> bool:
+        """Whether the object at `meta` is just what our last status write made of it."""
+        version = meta.get("resourceVersion")
+        return version is not None and self._versions.get(str(meta.get("uid", ""))) == version
 
     def forget(self, uid: str) -> None:
         """Drop what is remembered about a deleted object."""
         self._written.pop(uid, None)
+        self._versions.pop(uid, None)
+        self._written_at.pop(uid, None)

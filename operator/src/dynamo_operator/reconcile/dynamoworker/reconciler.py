@@ -41,7 +41,11 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
 from dynamo_operator.reconcile.dynamoworker.manifests import wants_pod_monitor
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
-from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
+from dynamo_operator.reconcile.dynamoworker.status import (
+    WorkerObservation,
+    compute_status,
+    status_hold_seconds,
+)
 from dynamo_operator.reconcile.dynamoworker.transitions import note, transitions
 from dynamo_operator.reconcile.errors import SpecError, TransientError
 from dynamo_operator.reconcile.events import EventRecorder, Regarding
@@ -68,6 +72,8 @@ class Outcome:
     applied: tuple[str, ...] = ()
     status_written: bool = False
     spec_error: str | None = None
+    # Run again this soon (a status held back, see `status_hold_seconds`); None: no need.
+    wake_in_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,11 @@ class WorkerReconciler:
                 logger.info("PodMonitor CRD %s", "found" if present else "not found")
                 self.settings = replace(self.settings, pod_monitor_crd=present)
         return self.settings
+
+    def is_echo(self, meta: Mapping[str, Any]) -> bool:
+        """Whether the DynamoWorker at `meta` is just what our last status write made of it
+        (its watch event needs no reconcile)."""
+        return self._status.is_echo(meta)
 
     def forget(self, namespace: str, name: str, uid: str) -> None:
         """Drop what is remembered about a deleted object."""
@@ -349,6 +360,11 @@ class WorkerReconciler:
     ) -> Outcome:
         existing = self._status.normalized(raw_status)
         new = compute_status(dw, observed)
+        hold = status_hold_seconds(existing, new, self._status.seconds_since_write(meta))
+        if hold > 0:
+            return Outcome(
+                status=new, applied=tuple(applied), spec_error=spec_error, wake_in_seconds=hold
+            )
         written = await self._status.write(meta, existing, new)
         if written:
             old_conditions = dw.status.conditions if dw.status is not None else []

@@ -376,3 +376,34 @@ def _frontend_status(dw: DynamoWorker, observed: WorkerObservation) -> FrontendS
         ready_replicas=min(ready, MAX_STATUS_PODS),
         url=frontend_url(dw),
     )
+
+
+# During a rollout, what changes from moment to moment (the Deployment's counts, pods
+# appearing and turning ready) is written at most this often: a burst of creations sends each
+# worker's status once or twice, not once per step. A condition changing status is never held.
+STATUS_HOLD_SECONDS = 5.0
+
+
+def _condition_states(status: Mapping[str, Any]) -> dict[str, str]:
+    return {str(c.get("type")): str(c.get("status")) for c in status.get("conditions") or []}
+
+
+def status_hold_seconds(
+    existing: Mapping[str, Any], new: Mapping[str, Any], since_last_write: float | None
+) -> float:
+    """How long to hold back writing `new` over `existing` (0: write it now).
+
+    Held: a status still rolling out (Progressing=True) whose conditions keep their statuses
+    (only counts, pods and messages change), within `STATUS_HOLD_SECONDS` of our last write
+    (`since_last_write`; None: none by this process). Written at once: a new generation's
+    first status (clients wait on observedGeneration), any condition transition (each is an
+    Event, and readiness is never late), and whatever follows the rollout's end.
+    """
+    if since_last_write is None or since_last_write >= STATUS_HOLD_SECONDS:
+        return 0.0
+    if existing.get("observedGeneration") != new.get("observedGeneration"):
+        return 0.0
+    states = _condition_states(new)
+    if states != _condition_states(existing) or states.get(ConditionType.PROGRESSING) != "True":
+        return 0.0
+    return STATUS_HOLD_SECONDS - since_last_write
