@@ -16,7 +16,7 @@ from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodProblem, PodSummary
 from dynamo_operator.reconcile.dynamoworker.status import (
-    STATUS_HOLD_SECONDS,
+    DEPLOYMENT_LAG_HOLD_SECONDS,
     WorkerObservation,
     compute_status,
     status_hold_seconds,
@@ -586,34 +586,56 @@ def test_a_failing_frontend_degrades() -> None:
     assert conditions(status)["Ready"] == ("False", "WaitingForFrontend")
 
 
-def test_only_a_rollouts_intermediate_statuses_are_held_back() -> None:
-    applied = compute_status(
-        worker(), WorkerObservation(now=T0, deployment=deployment(ready=0, observed=4))
+def test_a_status_waits_for_a_lagging_deployment_to_count_a_ready_pod() -> None:
+    hold = DEPLOYMENT_LAG_HOLD_SECONDS
+    waiting = compute_status(
+        worker(1), WorkerObservation(now=T0, deployment=deployment(replicas=0, ready=0, updated=0))
     )
-    starting = compute_status(
-        worker(status=applied), WorkerObservation(now=T0, deployment=deployment(ready=0))
+    # The pod is ready; the Deployment controller has not counted it yet.
+    lagging = compute_status(
+        worker(1, status=waiting),
+        WorkerObservation(
+            now=T0, deployment=deployment(replicas=1, ready=0, updated=1), pods=[pod("a")]
+        ),
     )
-    ready = compute_status(
-        worker(status=starting), WorkerObservation(now=T0, deployment=deployment())
+    caught_up = compute_status(
+        worker(1, status=lagging),
+        WorkerObservation(
+            now=T0, deployment=deployment(replicas=1, ready=1, updated=1), pods=[pod("a")]
+        ),
     )
-    assert conditions(applied)["Progressing"] == ("True", "RollingOut")
-    assert conditions(starting)["Progressing"] == ("True", "ScalingUp")
-    # Within the hold of our last write, a rollout's next step waits for the steps after it.
-    assert status_hold_seconds(applied, starting, 0.25) == STATUS_HOLD_SECONDS - 0.25
-    # Written at once: after the hold, with no write by this process yet, on a condition's
-    # transition (here Ready, which ends the rollout), and for a new generation.
-    assert status_hold_seconds(applied, starting, STATUS_HOLD_SECONDS) == 0
-    assert status_hold_seconds(applied, starting, None) == 0
-    assert conditions(ready)["Ready"][0] == "True"
-    assert status_hold_seconds(starting, ready, 0.25) == 0
+    assert [p["ready"] for p in lagging["pods"]] == [True]
+    assert lagging["readyReplicas"] == 0
+    assert status_hold_seconds(waiting, lagging, 2.0) == hold - 2.0
+    # Written at once: after the hold, with no write by this process yet, once the Deployment
+    # agrees (here with Ready's transition), or when a condition changes status.
+    assert status_hold_seconds(waiting, lagging, hold) == 0
+    assert status_hold_seconds(waiting, lagging, None) == 0
+    assert conditions(caught_up)["Ready"][0] == "True"
+    assert status_hold_seconds(lagging, caught_up, 2.0) == 0
     degraded = compute_status(
-        worker(status=starting),
-        WorkerObservation(now=T0, deployment=deployment(ready=0), child_errors=["Role r: no"]),
+        worker(1, status=waiting),
+        WorkerObservation(
+            now=T0,
+            deployment=deployment(replicas=1, ready=0, updated=1),
+            pods=[pod("a")],
+            child_errors=["Role r: refused"],
+        ),
     )
     assert conditions(degraded)["Degraded"][0] == "True"
-    assert status_hold_seconds(starting, degraded, 0.25) == 0
-    next_generation = compute_status(
-        worker(generation=4, status=ready),
-        WorkerObservation(now=T0, deployment=deployment(ready=0)),
+    assert status_hold_seconds(waiting, degraded, 2.0) == 0
+    # Counts alone, with no pod ahead of the Deployment, are written at once.
+    starting = compute_status(
+        worker(1, status=waiting),
+        WorkerObservation(
+            now=T0, deployment=deployment(replicas=1, ready=0, updated=1), pods=[pod("a", False)]
+        ),
     )
-    assert status_hold_seconds(ready, next_generation, 0.25) == 0
+    assert status_hold_seconds(waiting, starting, 2.0) == 0
+    next_generation = compute_status(
+        worker(1, generation=4, status=lagging),
+        WorkerObservation(
+            now=T0, deployment=deployment(replicas=1, ready=0, updated=1), pods=[pod("a")]
+        ),
+    )
+    assert status_hold_seconds(lagging, next_generation, 2.0) == 0

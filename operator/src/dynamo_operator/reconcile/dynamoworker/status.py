@@ -378,10 +378,12 @@ def _frontend_status(dw: DynamoWorker, observed: WorkerObservation) -> FrontendS
     )
 
 
-# During a rollout, what changes from moment to moment (the Deployment's counts, pods
-# appearing and turning ready) is written at most this often: a burst of creations sends each
-# worker's status once or twice, not once per step. A condition changing status is never held.
-STATUS_HOLD_SECONDS = 5.0
+# A pod that turns ready is in the pod list at once, but in its Deployment's readyReplicas only
+# once the Deployment controller counts it: moments later usually, up to about 10 s under a
+# burst of creations on the test bed. A status written in between would contradict itself
+# (a ready pod, readyReplicas 0) and be rewritten moments later; it waits at most this long
+# after our last write for the Deployment to agree.
+DEPLOYMENT_LAG_HOLD_SECONDS = 30.0
 
 
 def _condition_states(status: Mapping[str, Any]) -> dict[str, str]:
@@ -393,17 +395,19 @@ def status_hold_seconds(
 ) -> float:
     """How long to hold back writing `new` over `existing` (0: write it now).
 
-    Held: a status still rolling out (Progressing=True) whose conditions keep their statuses
-    (only counts, pods and messages change), within `STATUS_HOLD_SECONDS` of our last write
-    (`since_last_write`; None: none by this process). Written at once: a new generation's
-    first status (clients wait on observedGeneration), any condition transition (each is an
-    Event, and readiness is never late), and whatever follows the rollout's end.
+    Held: a status whose pods are ahead of the Deployment's readyReplicas, within
+    `DEPLOYMENT_LAG_HOLD_SECONDS` of our last write (`since_last_write`; None: none by this
+    process). Written at once whatever the counts: a new generation's first status (clients
+    wait on observedGeneration) and any condition transition (each is an Event, and
+    readiness is never late).
     """
-    if since_last_write is None or since_last_write >= STATUS_HOLD_SECONDS:
+    if since_last_write is None or since_last_write >= DEPLOYMENT_LAG_HOLD_SECONDS:
         return 0.0
     if existing.get("observedGeneration") != new.get("observedGeneration"):
         return 0.0
-    states = _condition_states(new)
-    if states != _condition_states(existing) or states.get(ConditionType.PROGRESSING) != "True":
+    if _condition_states(new) != _condition_states(existing):
         return 0.0
-    return STATUS_HOLD_SECONDS - since_last_write
+    ready_pods = sum(1 for pod in new.get("pods") or [] if pod.get("ready"))
+    if ready_pods <= int(new.get("readyReplicas") or 0):
+        return 0.0
+    return DEPLOYMENT_LAG_HOLD_SECONDS - since_last_write
