@@ -9,7 +9,8 @@ plane, worker pods on the fake GPU nodes.
 - Children created and deleted out of band converge from the operator's watches alone (no
   resync, no read of a child from the API server): one of each, owned by the worker.
 - A restarted operator makes no writes to converged children.
-- The status writer knows the watch event of its own write (its echo) and when it wrote.
+- The status writer knows the watch event of its own write (its echo), and times a held-back
+  change.
 - (Killed right after each of its writes: tests/cluster/test_faults.py.)
 """
 
@@ -367,11 +368,16 @@ async def test_status_writer_knows_its_own_echo(
     )
     created = await create_worker(api, namespace, "echo")
     assert not writer.is_echo(created["metadata"])
-    assert writer.seconds_since_write(created["metadata"]) is None
+    # A held-back change is timed from its first hold until the next write.
+    assert writer.held(created["metadata"]) == 0
+    writer.hold(created["metadata"])
+    now[0] += 0.25
+    writer.hold(created["metadata"])
+    now[0] += 0.25
+    assert writer.held(created["metadata"]) == 0.5
     existing = writer.normalized(created.get("status"))
     assert await writer.write(created["metadata"], existing, {**existing, "replicas": 2})
-    now[0] += 0.25
-    assert writer.seconds_since_write(created["metadata"]) == 0.25
+    assert writer.held(created["metadata"]) == 0
     # What the watch (here, a read) then delivers is our write: no reconcile needed.
     after_write = await get_worker(api, namespace, "echo")
     assert after_write["status"]["replicas"] == 2
@@ -384,4 +390,3 @@ async def test_status_writer_knows_its_own_echo(
     assert not writer.is_echo((await get_worker(api, namespace, "echo"))["metadata"])
     writer.forget(created["metadata"]["uid"])
     assert not writer.is_echo(after_write["metadata"])
-    assert writer.seconds_since_write(created["metadata"]) is None

@@ -8,9 +8,10 @@
   annotations; resyncs leave it unwritten; `Disabled` deletes it; `Enabled` brings it back;
   deleting the worker lets the garbage collector take it.
 
-The operator checks for the CRD at its first reconcile and then at most once a minute, so each
-scenario starts its operator after the CRD is installed (or removed); the transition while an
-operator runs is left to the unit tests.
+The operator checks for the CRD at its first reconcile and then at most once a minute (one
+request however many reconciles run at that moment), so each scenario starts its operator
+after the CRD is installed (or removed); the transition while an operator runs is left to the
+unit tests.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from dynamo_operator.k8s.client import Cluster as OperatorCluster
 from dynamo_operator.reconcile.crds import install_crds
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD
+from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
+from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from support.api_cases import dynamo_worker
 from support.cluster import Cluster, ensure_crd, eventually
 from support.operator_process import OperatorProcess, running_operator
@@ -301,3 +304,12 @@ async def test_with_the_crd_pod_monitor_follows_the_mode(
         await custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llm")
         await eventually(lambda: pod_monitor_gone(api, namespace, "llm"), 60, bool)
         assert operator.requests(("delete",), ("PodMonitor",)) == 1
+
+
+async def test_reconciles_at_once_check_for_the_crd_once(api: client.ApiClient) -> None:
+    cluster = OperatorCluster(api)
+    reconciler = WorkerReconciler(cluster, ReconcileSettings(worker_image="w:1"))
+    await asyncio.gather(*(reconciler.refresh_cluster_facts() for _ in range(16)))
+    assert cluster.requests[("get", "CustomResourceDefinition")] == 1
+    await reconciler.refresh_cluster_facts()  # not due again for a minute
+    assert cluster.requests[("get", "CustomResourceDefinition")] == 1

@@ -606,11 +606,12 @@ def test_a_status_waits_for_a_lagging_deployment_to_count_a_ready_pod() -> None:
     )
     assert [p["ready"] for p in lagging["pods"]] == [True]
     assert lagging["readyReplicas"] == 0
+    assert status_hold_seconds(waiting, lagging, 0) == hold
     assert status_hold_seconds(waiting, lagging, 2.0) == hold - 2.0
-    # Written at once: after the hold, with no write by this process yet, once the Deployment
-    # agrees (here with Ready's transition), or when a condition changes status.
+    # Written at once: once held for the whole hold, once the Deployment agrees (here with
+    # Ready's transition), or when a condition changes status.
     assert status_hold_seconds(waiting, lagging, hold) == 0
-    assert status_hold_seconds(waiting, lagging, None) == 0
+    assert status_hold_seconds(waiting, lagging, hold + 1) == 0
     assert conditions(caught_up)["Ready"][0] == "True"
     assert status_hold_seconds(lagging, caught_up, 2.0) == 0
     degraded = compute_status(

@@ -513,8 +513,9 @@ class OwnedFlag:
         return any(f == s or f.startswith(s + "=") for f in flags for s in self.spellings)
 
     def rule(self) -> Rule:
+        never = f"!({self.cel_set_in_extra_args()})"
         return Rule(
-            rule=f"!({self.cel_when}) || !({self.cel_set_in_extra_args()})",
+            rule=never if self.cel_when == "true" else f"!({self.cel_when}) || {never}",
             message=f"spec.engine.extraArgs must not set {self.spellings[0]}: {self.field} "
             "sets it; change that field instead",
             check=lambda s: not (self.when(s) and self.set_in(s.engine.extra_args)),

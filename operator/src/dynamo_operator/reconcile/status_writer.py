@@ -4,9 +4,9 @@ The watch delivers an object some time after our status write lands, so a reconc
 meanwhile still sees the status that write replaced. `StatusWriter.current` returns our last
 write in that case; computing from it keeps condition transition times and Events right, and
 does not write the same status twice. `is_echo` tells the watch event that reports our own
-write, which needs no reconcile. A status is compared as `compute` would write it (the
-status model's defaults filled, unknown fields dropped), so the two compare equal exactly
-when a write would change nothing.
+write, which needs no reconcile; `hold` and `held` time a change the reconciler holds back. A
+status is compared as `compute` would write it (the status model's defaults filled, unknown
+fields dropped), so the two compare equal exactly when a write would change nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ class StatusWriter:
     _written: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(
         default_factory=dict, init=False
     )
-    # Per object uid: the resourceVersion our last write gave it, and when it was written.
+    # Per object uid: the resourceVersion our last write gave it.
     _versions: dict[str, str] = field(default_factory=dict, init=False)
-    _written_at: dict[str, float] = field(default_factory=dict, init=False)
+    # Per object uid: since when a status change has been held back (see `held`).
+    _held_since: dict[str, float] = field(default_factory=dict, init=False)
 
     def normalized(self, raw: Mapping[str, Any] | None) -> dict[str, Any]:
         """A stored status as a reconcile would write it."""
@@ -56,6 +57,7 @@ class StatusWriter:
     ) -> bool:
         """Patch the status from `existing` to `new` when they differ; whether it wrote.
         Raises TransientError when the API server refused (but not for a deleted object)."""
+        self._held_since.pop(str(meta.get("uid", "")), None)  # whatever was held is settled
         if new == existing:
             return False
         # A merge patch keeps keys it does not mention: name the ones that went away.
@@ -71,16 +73,20 @@ class StatusWriter:
             raise TransientError(str(err)) from err
         uid = str(meta.get("uid", ""))
         self._written[uid] = (existing, new)
-        self._written_at[uid] = self.monotonic()
         version = (result.get("metadata") or {}).get("resourceVersion")
         if version:
             self._versions[uid] = str(version)
         return True
 
-    def seconds_since_write(self, meta: Mapping[str, Any]) -> float | None:
-        """Seconds since our last status write to the object at `meta` (None: none yet)."""
-        written = self._written_at.get(str(meta.get("uid", "")))
-        return None if written is None else self.monotonic() - written
+    def held(self, meta: Mapping[str, Any]) -> float:
+        """Seconds a change of the status of the object at `meta` has been held back, counted
+        from the first `hold` after the last `write` (0 when none is)."""
+        since = self._held_since.get(str(meta.get("uid", "")))
+        return 0.0 if since is None else self.monotonic() - since
+
+    def hold(self, meta: Mapping[str, Any]) -> None:
+        """Note that a change of the object's status is held back (the first time counts)."""
+        self._held_since.setdefault(str(meta.get("uid", "")), self.monotonic())
 
     def is_echo(self, meta: Mapping[str, Any]) -> bool:
         """Whether the object at `meta` is just what our last status write made of it."""
@@ -91,4 +97,4 @@ class StatusWriter:
         """Drop what is remembered about a deleted object."""
         self._written.pop(uid, None)
         self._versions.pop(uid, None)
-        self._written_at.pop(uid, None)
+        self._held_since.pop(uid, None)

@@ -124,9 +124,16 @@ class WorkerReconciler:
 
     async def refresh_cluster_facts(self) -> ReconcileSettings:
         """The settings, with the PodMonitor CRD's presence re-checked when it is due."""
-        if time.monotonic() - self._crd_checked_at >= CRD_CHECK_INTERVAL_SECONDS:
-            present = await self.cluster.crd_exists(POD_MONITOR_CRD)
-            self._crd_checked_at = time.monotonic()
+        now = time.monotonic()
+        if now - self._crd_checked_at >= CRD_CHECK_INTERVAL_SECONDS:
+            # Marked before the request: reconciles running meanwhile keep the last answer
+            # instead of each sending the same check (up to 16 of them at once).
+            previous, self._crd_checked_at = self._crd_checked_at, now
+            try:
+                present = await self.cluster.crd_exists(POD_MONITOR_CRD)
+            except ApiError:
+                self._crd_checked_at = previous  # the next reconcile asks again
+                raise
             if present != self.settings.pod_monitor_crd:
                 logger.info("PodMonitor CRD %s", "found" if present else "not found")
                 self.settings = replace(self.settings, pod_monitor_crd=present)
@@ -360,8 +367,9 @@ class WorkerReconciler:
     ) -> Outcome:
         existing = self._status.normalized(raw_status)
         new = compute_status(dw, observed)
-        hold = status_hold_seconds(existing, new, self._status.seconds_since_write(meta))
+        hold = status_hold_seconds(existing, new, self._status.held(meta))
         if hold > 0:
+            self._status.hold(meta)
             return Outcome(
                 status=new, applied=tuple(applied), spec_error=spec_error, wake_in_seconds=hold
             )
