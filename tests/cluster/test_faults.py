@@ -1,8 +1,9 @@
 """Fault injection on the test bed: each scenario under each fault, then the invariants.
 
 Every operator talks to the API server through its own counting proxy (`support.api_proxy`),
-so writes are counted where the server sees them, kopf's own patches (finalizer, progress
-and last-handled annotations) and Events included, and each is attributed to its sender.
+so writes are counted where the server sees them, kopf's own patches (its finalizer, and
+its progress annotations on a deletion) and Events included, and each is attributed to its
+sender.
 
 Faults:
 - `kill-after-each-write`: each operator run is SIGKILLed right after its first write

@@ -379,11 +379,12 @@ def _frontend_status(dw: DynamoWorker, observed: WorkerObservation) -> FrontendS
 
 
 # A pod that turns ready is in the pod list at once, but in its Deployment's readyReplicas only
-# once the Deployment controller counts it: moments later usually, up to about 5 s under a
-# burst of 400 creations on the test bed. A status written in between would contradict itself
-# (a ready pod, readyReplicas 0) and be rewritten moments later, so it waits for the
-# Deployment to agree, this long at most.
-DEPLOYMENT_LAG_HOLD_SECONDS = 10.0
+# once the Deployment controller counts it: moments later usually, about 10 s at worst under a
+# burst of 100-500 creations on the 2-core test bed. A status written in between would
+# contradict itself (a ready pod, readyReplicas 0) and be rewritten moments later, so it waits
+# for the Deployment to agree, this long at most (what waits is status.pods: Ready and the
+# counts come from the Deployment, and are written as soon as it counts the pod).
+DEPLOYMENT_LAG_HOLD_SECONDS = 30.0
 
 
 def _condition_states(status: Mapping[str, Any]) -> dict[str, str]:
