@@ -5,10 +5,19 @@ import subprocess
 import pytest
 
 from support.cluster import api, cluster, namespace, testbed
+from support.loopback_http import closed_default_http_client
 from support.s3 import s3_server
 from support.tiny_model import tiny_model
 
-__all__ = ["api", "cluster", "namespace", "s3_server", "testbed", "tiny_model"]
+__all__ = [
+    "api",
+    "closed_default_http_client",
+    "cluster",
+    "namespace",
+    "s3_server",
+    "testbed",
+    "tiny_model",
+]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

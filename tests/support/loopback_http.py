@@ -13,10 +13,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from dynamo.common.http import UrlValidationPolicy
+from dynamo.common.http import UrlValidationPolicy, close_http_client
+
+
+@pytest.fixture
+async def closed_default_http_client() -> AsyncIterator[None]:
+    """Close the process-wide HTTP client after the test. The media loaders fetch through
+    it, and its session belongs to the test's event loop: left open, it is collected
+    unclosed (aiohttp warns) once the next test's loop replaces it, or at exit."""
+    yield
+    await close_http_client()
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dynamo.common.http import HttpStatusError, UrlValidationError, UrlValidatio
 from dynamo.common.multimodal import AudioLoader
 from support.loopback_http import LoopbackHttpServer, loopback_policy, media_app, serve
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("closed_default_http_client")]
 
 RATE = 16_000
 

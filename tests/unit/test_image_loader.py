@@ -18,12 +18,11 @@ from dynamo.common.http import (
     HttpStatusError,
     UrlValidationError,
     UrlValidationPolicy,
-    close_http_client,
 )
 from dynamo.common.multimodal import ImageLoader
 from support.loopback_http import LoopbackHttpServer, loopback_policy, media_app, serve
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("closed_default_http_client")]
 
 
 def gradient(width: int = 40, height: int = 24) -> np.ndarray:
@@ -78,14 +77,6 @@ async def media_server() -> AsyncIterator[LoopbackHttpServer]:
 async def internal_server() -> AsyncIterator[LoopbackHttpServer]:
     async with serve(media_app(FILES), "127.0.0.2") as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-async def close_default_client() -> AsyncIterator[None]:
-    """The loader fetches through the process-wide HTTP client, whose session belongs to
-    this test's event loop: close it here rather than leave it to the garbage collector."""
-    yield
-    await close_http_client()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from dynamo.common.multimodal import VideoLoader
 from dynamo.common.multimodal.video_loader import sample_frame_indices
 from support.loopback_http import LoopbackHttpServer, loopback_policy, media_app, serve
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("closed_default_http_client")]
 
 FRAME_COUNT = 10
 FPS = 10
