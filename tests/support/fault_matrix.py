@@ -180,9 +180,38 @@ async def _converged(space: Space, target: Target) -> bool:
 async def wait_converged(
     space: Space, target: Target, operator: OperatorProcess, within: float = CONVERGE_WITHIN
 ) -> None:
-    await operator.eventually(
-        f"convergence to {target}", lambda: _converged(space, target), within, bool
-    )
+    try:
+        await operator.eventually(
+            f"convergence to {target}", lambda: _converged(space, target), within, bool
+        )
+    except AssertionError as err:
+        state = await _state(space, target)
+        raise AssertionError(f"{err}\nwhat the cluster held:\n{state}") from None
+
+
+async def _state(space: Space, target: Target) -> str:
+    """The Deployment, each pod and each adapter, one line each: whether the operator, the
+    Deployment controller or the node stalled is usually plain from it."""
+    apps = client.AppsV1Api(space.api)
+    lines = []
+    for d in (await apps.list_namespaced_deployment(space.namespace)).items:
+        st = d.status
+        lines.append(
+            f"Deployment {d.metadata.name} generation {d.metadata.generation} observed"
+            f" {st.observed_generation}: replicas {st.replicas} updated {st.updated_replicas}"
+            f" ready {st.ready_replicas} unavailable {st.unavailable_replicas}"
+        )
+    listing = await client.CoreV1Api(space.api).list_namespaced_pod(space.namespace)
+    for p in listing.items:
+        ready = {c.type: c.status for c in p.status.conditions or []}
+        lines.append(
+            f"pod {p.metadata.name} on {p.spec.node_name} phase {p.status.phase} conditions"
+            f" {ready} deleting {p.metadata.deletion_timestamp is not None}"
+        )
+    for name in target.adapters:
+        adapter = await get_adapter(space, name)
+        lines.append(f"LoRAAdapter {name}: {None if adapter is None else adapter.get('status')}")
+    return "\n".join(lines)
 
 
 # -- what a run left ---------------------------------------------------------------------
