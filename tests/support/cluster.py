@@ -111,8 +111,10 @@ async def create_test_namespace(api: client.ApiClient, prefix: str = "t") -> str
     name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     body: Any = {"metadata": {"name": name, "labels": {"dynamo.dev/test": "true"}}}
     await core.create_namespace(body)
-    # Pods need the namespace's `default` ServiceAccount, which a controller creates.
-    await eventually(lambda: core.read_namespaced_service_account("default", name), 30)
+    # Pods need the namespace's `default` ServiceAccount, which a controller creates. After
+    # the fault suite restarts the kube-apiserver, the controller-manager's watches come back
+    # on client-go's backoff (up to 30 s, jittered up to twice that): allow for it.
+    await eventually(lambda: core.read_namespaced_service_account("default", name), 90)
     return name
 
 
