@@ -25,7 +25,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo_operator.handlers.lifecycle import WATCH_INACTIVITY_SECONDS
 from support.api_proxy import ApiProxy, api_proxy
-from support.cluster import Cluster, eventually, hack_cluster
+from support.cluster import CONTROLLERS_BACK_WITHIN, Cluster, eventually, hack_cluster
 from support.dynamo_workers import (
     GROUP,
     PLURAL,
@@ -51,10 +51,6 @@ ELECTION_ARGS = (
 )
 CONVERGE_WITHIN = 90.0
 OUTAGE_SECONDS = 8.0
-# After the restart the test bed's controller-manager (Deployment, ReplicaSet controllers)
-# watches again on client-go's reflector backoff: up to 30 s, jittered up to twice that.
-# Once in two full-matrix runs a roll had not finished 90 s after a restart.
-CONTROLLERS_BACK_WITHIN = 60.0
 MAX_KILLS = 40
 SYSTEM_PORT = 9090
 READINESS_GATE = "dynamo.dev/lora-adapters-ready"
@@ -442,6 +438,7 @@ async def run_step(fault: str, fleet: Fleet, step: Step, target: Target) -> None
             hack_cluster, "restart-apiserver", f"--down-seconds={OUTAGE_SECONDS}"
         )
         assert restarted.returncode == 0, restarted.stderr[-2000:]
+        # Once in two full-matrix runs a roll had not finished 90 s after a restart.
         await wait_converged(space, target, operator, CONTROLLERS_BACK_WITHIN + CONVERGE_WITHIN)
         assert operator.exited() is None, "the operator died of the restart"
     elif fault == "watch-expired":
