@@ -223,7 +223,8 @@ def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None
     args = cli._parser().parse_args(main["args"])
     assert args.all_namespaces
     # The images the release publishes, under the chart's appVersion.
-    version = yaml.safe_load((REPO / "helm" / "dynamo-operator" / "Chart.yaml").read_text())["appVersion"]
+    chart = yaml.safe_load((REPO / "helm" / "dynamo-operator" / "Chart.yaml").read_text())
+    version = chart["appVersion"]
     assert main["image"] == f"ghcr.io/dynamo-operator/dynamo-operator:{version}"
     assert args.worker_image == f"ghcr.io/dynamo-operator/dynamo-worker:{version}"
     assert args.vllm_worker_image == f"ghcr.io/dynamo-operator/dynamo-worker-vllm:{version}"

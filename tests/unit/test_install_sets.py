@@ -1,8 +1,8 @@
 """The operator image installs what the operator imports and nothing more.
 
 The image installs the base dependencies and the `operator` extra (operator/Dockerfile, through
-hack/pyproject-requirements), then the project itself with --no-deps. Two checks that each would fail if an operator module came to
-import a worker package such as av or torch:
+hack/pyproject-requirements), then the project itself with --no-deps. Two checks that each
+would fail if an operator module came to import a worker package such as av or torch:
 - by reading the source: every third-party module a `dynamo_operator` module imports is
   provided by a distribution the set names, and every distribution the set names is
   imported (none is there for nothing); none of the worker's or the engine's packages is;

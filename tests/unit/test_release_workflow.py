@@ -18,7 +18,7 @@ WORKFLOW = ROOT / ".github" / "workflows" / "release.yaml"
 VALUES = ROOT / "helm" / "dynamo-operator" / "values.yaml"
 
 
-def workflow() -> dict[str, Any]:
+def workflow() -> dict[Any, Any]:
     loaded: dict[Any, Any] = yaml.safe_load(WORKFLOW.read_text())
     return loaded
 
