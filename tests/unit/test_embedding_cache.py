@@ -103,7 +103,7 @@ def test_negative_capacity_is_rejected() -> None:
 def test_non_contiguous_tensor_is_rejected() -> None:
     cache = MultimodalEmbeddingCacheManager(capacity_bytes=10_000)
     strided = torch.zeros(10, 10).t()
-    with pytest.raises(ValueError, match="must be contiguous"):
+    with pytest.raises(AssertionError, match="must be contiguous"):
         cache.set("t", CachedEmbedding(strided))
 
 

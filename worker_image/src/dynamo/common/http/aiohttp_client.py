@@ -27,7 +27,9 @@ class AiohttpClient(HttpClient):
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         super().__init__(config)
         self._session: aiohttp.ClientSession | None = None
-        self._session_loop: asyncio.AbstractEventLoop | None = None
+        # The session this client built and the loop it belongs to. A session assigned to
+        # `_session` from outside (upstream's tests put a double there) is not in here.
+        self._built: tuple[aiohttp.ClientSession, asyncio.AbstractEventLoop] | None = None
 
     def _timeout(self, timeout: float) -> aiohttp.ClientTimeout:
         # The override caps the whole request; sock_connect bounds the handshake on its own
@@ -40,24 +42,31 @@ class AiohttpClient(HttpClient):
 
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
-        # A session belongs to the loop that created it; a client reused from another loop
-        # (e.g. a second asyncio.run) gets a fresh one instead of failing deep in aiohttp.
-        if self._session is None or self._session.closed or self._session_loop is not loop:
-            connector = aiohttp.TCPConnector(
-                limit=self._config.max_connections,
-                # Fan-out to a single origin is the common case; a per-host cap would defeat it.
-                limit_per_host=0,
-                keepalive_timeout=self._config.keepalive_timeout,
-                enable_cleanup_closed=True,
-            )
-            self._session = aiohttp.ClientSession(connector=connector, trust_env=True)
-            self._session_loop = loop
-            logger.debug(
-                "aiohttp session created: limit=%d keepalive_timeout=%.1fs",
-                self._config.max_connections,
-                self._config.keepalive_timeout,
-            )
-        return self._session
+        session = self._session
+        # A session set on the client from outside is used as given. One built here belongs to
+        # the loop that built it: reused from another loop (e.g. a second asyncio.run) it
+        # is replaced below instead of failing deep in aiohttp.
+        built_for_another_loop = (
+            self._built is not None and self._built[0] is session and self._built[1] is not loop
+        )
+        if session is not None and not session.closed and not built_for_another_loop:
+            return session
+        connector = aiohttp.TCPConnector(
+            limit=self._config.max_connections,
+            # Fan-out to a single origin is the common case; a per-host cap would defeat it.
+            limit_per_host=0,
+            keepalive_timeout=self._config.keepalive_timeout,
+            enable_cleanup_closed=True,
+        )
+        session = aiohttp.ClientSession(connector=connector, trust_env=True)
+        self._session = session
+        self._built = (session, loop)
+        logger.debug(
+            "aiohttp session created: limit=%d keepalive_timeout=%.1fs",
+            self._config.max_connections,
+            self._config.keepalive_timeout,
+        )
+        return session
 
     async def _fetch_simple(self, url: str, timeout_s: float) -> bytes:
         session = self._get_session()
@@ -66,6 +75,10 @@ class AiohttpClient(HttpClient):
                 if response.status >= 400:
                     raise HttpStatusError(response.status, response.reason or "", url)
                 return await response.read()
+        except aiohttp.ClientResponseError as exc:
+            # It carries the server's status (a session's `raise_for_status`, aiohttp's own
+            # `TooManyRedirects`), so it is a status error, as upstream maps it.
+            raise HttpStatusError(exc.status, exc.message, url) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise HttpTimeoutError(f"Timeout loading {describe_media_source(url)}") from exc
         except aiohttp.ClientError as exc:
@@ -88,6 +101,10 @@ class AiohttpClient(HttpClient):
                 if response.status >= 400:
                     raise HttpStatusError(response.status, response.reason or "", url)
                 return await response.read(), None
+        except aiohttp.ClientResponseError as exc:
+            # It carries the server's status (a session's `raise_for_status`, aiohttp's own
+            # `TooManyRedirects`), so it is a status error, as upstream maps it.
+            raise HttpStatusError(exc.status, exc.message, url) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise HttpTimeoutError(f"Timeout loading {describe_media_source(url)}") from exc
         except aiohttp.ClientError as exc:
@@ -98,5 +115,6 @@ class AiohttpClient(HttpClient):
     async def close(self) -> None:
         """Close the session. Idempotent."""
         session, self._session = self._session, None
+        self._built = None
         if session is not None and not session.closed:
             await session.close()

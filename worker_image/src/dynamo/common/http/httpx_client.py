@@ -8,7 +8,6 @@ import logging
 import httpx
 
 from .base import (
-    REDIRECT_STATUSES,
     HttpClient,
     HttpConnectionError,
     HttpStatusError,
@@ -26,8 +25,11 @@ class HttpxClient(HttpClient):
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         super().__init__(config)
         self._client: httpx.AsyncClient | None = None
-        self._semaphore: asyncio.Semaphore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The client this object built and the loop it belongs to. A client assigned to
+        # `_client` from outside (upstream's tests put a double there) is not in here.
+        self._built: tuple[httpx.AsyncClient, asyncio.AbstractEventLoop] | None = None
+        # The in-flight cap and the loop it serves (an asyncio.Semaphore binds to one loop).
+        self._semaphore: tuple[asyncio.Semaphore, asyncio.AbstractEventLoop] | None = None
 
     def _timeout(self, read_timeout: float) -> httpx.Timeout:
         # The override targets `read` only: connect and pool keep their own budgets so a
@@ -43,25 +45,31 @@ class HttpxClient(HttpClient):
 
     def _get_client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
-        if (
-            self._client is None
-            or self._client.is_closed
-            or self._semaphore is None
-            or self._loop is not loop
-        ):
-            self._client = httpx.AsyncClient(
-                timeout=self._timeout(60.0),
-                follow_redirects=True,
-                limits=httpx.Limits(
-                    max_connections=self._config.max_connections,
-                    max_keepalive_connections=self._config.max_keepalive,
-                ),
-            )
+        if self._semaphore is None or self._semaphore[1] is not loop:
             # Back-pressure in front of the pool, so a burst waits here instead of
             # surfacing httpx PoolTimeout errors.
-            self._semaphore = asyncio.Semaphore(self._config.concurrency)
-            self._loop = loop
-        return self._client, self._semaphore
+            self._semaphore = (asyncio.Semaphore(self._config.concurrency), loop)
+        semaphore = self._semaphore[0]
+        client = self._client
+        # A client set on this object from outside is used as given. One built here belongs to
+        # the loop that built it: reused from another loop (e.g. a second asyncio.run) it
+        # is replaced below.
+        built_for_another_loop = (
+            self._built is not None and self._built[0] is client and self._built[1] is not loop
+        )
+        if client is not None and not client.is_closed and not built_for_another_loop:
+            return client, semaphore
+        client = httpx.AsyncClient(
+            timeout=self._timeout(60.0),
+            follow_redirects=True,
+            limits=httpx.Limits(
+                max_connections=self._config.max_connections,
+                max_keepalive_connections=self._config.max_keepalive,
+            ),
+        )
+        self._client = client
+        self._built = (client, loop)
+        return client, semaphore
 
     async def _fetch_simple(self, url: str, timeout_s: float) -> bytes:
         client, semaphore = self._get_client()
@@ -70,8 +78,7 @@ class HttpxClient(HttpClient):
                 response = await client.get(url, timeout=self._timeout(timeout_s))
             except httpx.HTTPError as exc:
                 raise _map_transport_error(exc, url) from exc
-            if response.status_code >= 400:
-                raise HttpStatusError(response.status_code, response.reason_phrase, url)
+            _raise_for_error_status(response, url)
             return response.content
 
     async def _fetch_body_or_redirect(
@@ -79,22 +86,24 @@ class HttpxClient(HttpClient):
     ) -> tuple[bytes | None, str | None]:
         client, semaphore = self._get_client()
         async with semaphore:
+            # Built and sent as two calls, as upstream's client does, so a client double
+            # that stubs `build_request`/`send` drives this path the same way.
+            request = client.build_request("GET", url, timeout=self._timeout(timeout_s))
             try:
-                response = await client.get(
-                    url, timeout=self._timeout(timeout_s), follow_redirects=False
-                )
+                response = await client.send(request, follow_redirects=False)
             except httpx.HTTPError as exc:
                 raise _map_transport_error(exc, url) from exc
-            location = response.headers.get("location")
-            if response.status_code in REDIRECT_STATUSES and location:
+            # `is_redirect` is any 3xx status (what a response double sets, not `status_code`);
+            # without a Location it is a terminal response, as in the aiohttp backend.
+            if response.is_redirect and (location := response.headers.get("location")):
                 return None, str(response.url.join(location))
-            if response.status_code >= 400:
-                raise HttpStatusError(response.status_code, response.reason_phrase, url)
+            _raise_for_error_status(response, url)
             return response.content, None
 
     async def close(self) -> None:
         """Close the client. Idempotent."""
         client, self._client = self._client, None
+        self._built = None
         self._semaphore = None
         if client is not None and not client.is_closed:
             await client.aclose()
@@ -105,3 +114,18 @@ def _map_transport_error(exc: httpx.HTTPError, url: str) -> Exception:
     if isinstance(exc, httpx.TimeoutException):
         return HttpTimeoutError(f"Timeout loading {label}")
     return HttpConnectionError(f"Connection error loading {label}: {exc}")
+
+
+def _raise_for_error_status(response: httpx.Response, url: str) -> None:
+    """Raise `HttpStatusError` for a 4xx/5xx response.
+
+    The status is judged by httpx's `raise_for_status`, as upstream's client does (a response
+    double stubs that, not `status_code`). It also refuses 1xx and 3xx; those stay terminal
+    responses here, as in the aiohttp backend, so only 4xx/5xx are errors.
+    """
+    try:
+        response.raise_for_status()
+    except httpx.HTTPStatusError as exc:
+        status = exc.response.status_code
+        if status >= 400:
+            raise HttpStatusError(status, exc.response.reason_phrase, url) from exc

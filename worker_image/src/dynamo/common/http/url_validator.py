@@ -5,7 +5,7 @@ loopback, link-local (cloud metadata) and other internal addresses are refused, 
 local filesystem access. `UrlValidationPolicy.from_env()` loosens that from `DYN_MM_*`.
 
 Every check that needs a host name resolved goes through the policy's `resolver`
-(default: the event loop's `getaddrinfo`), so tests can substitute a stub resolver.
+(default: `socket.getaddrinfo`, off the event loop), so tests can substitute a stub resolver.
 
 Beyond upstream (which relies on `ipaddress.ip_address` plus `getaddrinfo`):
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,8 +117,13 @@ def describe_media_source(source: str, limit: int = SOURCE_LABEL_LIMIT) -> str:
 
 
 async def resolve_with_getaddrinfo(host: str) -> list[str]:
-    """Default resolver: every address `getaddrinfo` returns for `host`, off the event loop."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    """Default resolver: every address `getaddrinfo` returns for `host`, off the event loop.
+
+    `socket.getaddrinfo` is looked up through this module at each call, so patching
+    `url_validator.socket.getaddrinfo` (as upstream's tests do) replaces the lookup.
+    """
+    loop = asyncio.get_running_loop()
+    infos = await loop.run_in_executor(None, socket.getaddrinfo, host, None)
     return [str(info[4][0]) for info in infos]
 
 

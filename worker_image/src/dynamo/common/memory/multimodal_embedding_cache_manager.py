@@ -37,10 +37,12 @@ class CacheMutation(NamedTuple):
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     # element_size * numel is the storage used only for a contiguous tensor; a strided
-    # view could pin a much larger storage than it reports.
+    # view could pin a much larger storage than it reports. AssertionError with this text is
+    # what upstream raises, and callers written for upstream catch that; raised explicitly
+    # rather than by `assert`, so that `python -O` keeps the check.
     if not tensor.is_contiguous():
-        raise ValueError(
-            "embedding tensor must be contiguous to be cached (its byte size would be wrong); "
+        raise AssertionError(
+            "Tensor must be contiguous for accurate size calculation; "
             "call .contiguous() on it first"
         )
     return int(tensor.element_size() * tensor.numel())
