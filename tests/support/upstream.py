@@ -264,6 +264,25 @@ def upstream_python() -> Path:
     return python
 
 
+def run_json_driver(
+    python: str, driver: str, cases: Any, env: Mapping[str, str] | None = None
+) -> Any:
+    """Run `driver` (Python source) with `python`, the JSON of `cases` on its stdin; what it
+    prints, read as JSON. The same driver run by our interpreter and by upstream's
+    (`upstream_python()`) makes a differential test of a library seam."""
+    ran = subprocess.run(
+        [python, "-c", driver],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    return json.loads(ran.stdout)
+
+
 @pytest.fixture
 def upstream_fleet(tmp_path: Path) -> Iterator[UpstreamFleet]:
     """An `UpstreamFleet` in the test's temp folder; skipped without upstream's venv."""

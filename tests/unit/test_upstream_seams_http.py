@@ -10,9 +10,7 @@ behaviour, the same scenarios run against it in its own venv and the outcomes mu
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -31,7 +29,7 @@ from dynamo.common.http import (
     HttpxClient,
     UrlValidationPolicy,
 )
-from support.upstream import upstream_python
+from support.upstream import run_json_driver, upstream_python
 
 pytestmark = pytest.mark.unit
 
@@ -371,17 +369,7 @@ def _run_driver(python: str) -> list[Any]:
     # 1.6.1 refuses a policy-checked fetch an ambient egress proxy would carry.
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.pop("DYN_MM_ALLOW_INTERNAL", None)
-    ran = subprocess.run(
-        [python, "-c", _DRIVER],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    outcomes: list[Any] = json.loads(ran.stdout)
+    outcomes: list[Any] = run_json_driver(python, _DRIVER, cases, env)
     return outcomes
 
 

@@ -9,9 +9,7 @@ classification `is_blocked_ip` also uses. The same fake answers are given to ups
 
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
 import sys
 from typing import Any
 
@@ -24,7 +22,7 @@ from dynamo.common.http.url_validator import (
     is_blocked_ip,
     validate_url,
 )
-from support.upstream import upstream_python
+from support.upstream import run_json_driver, upstream_python
 
 pytestmark = pytest.mark.unit
 
@@ -172,16 +170,7 @@ _CASES: list[list[str] | None] = [
 
 
 def _run_driver(python: str) -> list[str]:
-    ran = subprocess.run(
-        [python, "-c", _DRIVER],
-        input=json.dumps(_CASES),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    verdicts: list[str] = json.loads(ran.stdout)
+    verdicts: list[str] = run_json_driver(python, _DRIVER, _CASES)
     return verdicts
 
 
