@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from support.images import Images, docker, env_flags, images, label, run_args
+from support.images import DOCKER, Images, docker, env_flags, images, label, run_args
 from support.tiny_model import TinyModel
 from support.worker_process import LOOPBACK_ENV, WorkerProcess
 
@@ -111,9 +111,7 @@ async def test_worker_image_serves_the_tiny_model_from_a_read_only_mount(
         *env_flags(list(LOOPBACK_ENV)),
         network="host",
     )
-    worker = WorkerProcess(
-        ["--engine", ENGINE, "--model", MODEL_MOUNT], command=["/usr/bin/docker", *command]
-    )
+    worker = WorkerProcess(["--engine", ENGINE, "--model", MODEL_MOUNT], command=[DOCKER, *command])
     try:
         await worker.wait_health(200, within=180)
         http = worker.http_url()
