@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,14 +32,8 @@ RESTRICTED = (
 )
 
 
-@dataclass(frozen=True)
-class Images:
-    """Each image hack/build-images made, by its name there (`operator`, `worker`, ...)."""
-
-    tags: dict[str, str]
-
-    def __getitem__(self, name: str) -> str:
-        return self.tags[name]
+# Each image hack/build-images made (`image:tag`), by its name there (`operator`, `worker`, ...).
+Images = dict[str, str]
 
 
 @pytest.fixture(scope="session")
@@ -51,8 +44,7 @@ def images() -> Images:
     if result.returncode == NO_ENGINE:
         pytest.skip(f"no container engine can run here: {result.stderr.strip().splitlines()[-1]}")
     assert result.returncode == 0, f"hack/build-images failed:\n{result.stderr[-6000:]}"
-    tags = dict(line.split("=", 1) for line in result.stdout.split())
-    return Images(tags)
+    return dict(line.split("=", 1) for line in result.stdout.split())
 
 
 def docker(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

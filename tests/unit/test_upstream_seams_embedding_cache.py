@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dynamo.common.memory import CachedEmbedding, MultimodalEmbeddingCacheManager
-from support.upstream import upstream_python
+from support.upstream import run_json_driver, upstream_python
 
 pytestmark = pytest.mark.unit
 
@@ -59,12 +59,12 @@ def test_the_refusal_survives_optimised_mode() -> None:
     assert ran.stdout.strip() == "refused"
 
 
-# Runs in upstream's venv, with this project's site-packages appended for torch (that venv
-# has none); upstream's own packages still come first. Prints the exception's type name and
-# whether its message starts as upstream's tests expect.
+# Runs in upstream's venv, with this project's site-packages (read from stdin) appended for
+# torch (that venv has none); upstream's own packages still come first. Prints the exception's
+# type name and whether its message starts as upstream's tests expect.
 _UPSTREAM_DRIVER = """
-import sys
-sys.path.append(sys.argv[1])
+import json, sys
+sys.path.append(json.load(sys.stdin))
 import torch
 from dynamo.common.memory.multimodal_embedding_cache_manager import (
     CachedEmbedding, MultimodalEmbeddingCacheManager)
@@ -72,24 +72,17 @@ cache = MultimodalEmbeddingCacheManager(capacity_bytes=1 << 20)
 try:
     cache.set("k", CachedEmbedding(torch.zeros(10, 20).t()))
 except Exception as exc:
-    print(type(exc).__name__, str(exc).startswith("Tensor must be contiguous"))
+    print(json.dumps(f"{type(exc).__name__} {str(exc).startswith('Tensor must be contiguous')}"))
 """
 
 
 def test_same_refusal_as_upstreams_cache() -> None:
-    python = upstream_python()
-    ran = subprocess.run(
-        [str(python), "-c", _UPSTREAM_DRIVER, sysconfig.get_paths()["purelib"]],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    upstream = run_json_driver(
+        str(upstream_python()), _UPSTREAM_DRIVER, sysconfig.get_paths()["purelib"]
     )
-    if ran.returncode != 0:
-        pytest.skip(f"upstream's cache does not load in {python}:\n{ran.stderr[-2000:]}")
     cache = MultimodalEmbeddingCacheManager(capacity_bytes=1 << 20)
     try:
         cache.set("k", CachedEmbedding(torch.zeros(10, 20).t()))
     except Exception as exc:  # the type is what is compared
         ours = f"{type(exc).__name__} {str(exc).startswith('Tensor must be contiguous')}"
-    assert ran.stdout.strip() == ours == "AssertionError True"
+    assert upstream == ours == "AssertionError True"
