@@ -12,6 +12,12 @@ then the frontend's Service, for chat completions from the base model and each a
 `--engine vllm` runs the workers with the vLLM engine instead of the reference one (vLLM's
 venv from hack/vllm-venv, which the process node runs the vLLM image's pods in; the
 head_dim-64 tiny model, which vLLM's CPU attention takes).
+
+`--images` runs it all on the images users install instead, on the test bed's kubelet node
+(the real kubelet, containerd and runc, enforcing the chart's securityContext): hack/build-images
+builds the operator, worker and frontend images (about 8 minutes the first time) and imports
+them into the node; the workers fetch the tiny model from the S3 server, as pods on a cluster
+would. It needs a container engine (Debian's docker.io, installed when missing).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from testbed import daemons
+from testbed import daemons, kubelet_node
 from testbed.layout import (
     GATEWAY_IP,
     PROCESS_NODE_TAINT_KEY,
@@ -57,6 +63,10 @@ PROCESS_NODE = {
     "nodeSelector": {"dynamo.dev/node-kind": "process"},
     "tolerations": [{"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
 }
+KUBELET_NODE = {
+    "nodeSelector": {"kubernetes.io/hostname": kubelet_node.NODE_NAME},
+    "tolerations": [{"key": kubelet_node.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+}
 
 
 def say(message: str) -> None:
@@ -64,9 +74,15 @@ def say(message: str) -> None:
 
 
 class Demo:
-    def __init__(self, layout: Layout, engine: str = "transformers") -> None:
+    def __init__(
+        self, layout: Layout, engine: str = "transformers", with_images: bool = False
+    ) -> None:
         self.layout = layout
         self.engine = engine
+        self.with_images = with_images
+        self.placement = KUBELET_NODE if with_images else PROCESS_NODE
+        # hack/build-images' images by name (operator, worker, frontend), with --images.
+        self.images: dict[str, str] = {}
         self.state = layout.root / "demo"
         self.bin_dir = (
             Path(layout.bin_dir_file.read_text().strip()) if layout.bin_dir_file.exists() else None
@@ -106,6 +122,8 @@ class Demo:
         )
         self.bin_dir = Path(self.layout.bin_dir_file.read_text().strip())
         self.state.mkdir(parents=True, exist_ok=True)
+        if self.with_images:
+            self.build_images()
         model = self.make_model()
         self.start_s3(model)
         self.install_operator()
@@ -117,6 +135,23 @@ class Demo:
             '\nExplore:  eval "$(hack/cluster env)"; kubectl get dw,lora,pods -A\n'
             f"          kubectl -n {NAMESPACE} describe lora sql-lora\n"
             "Stop:     hack/demo down"
+        )
+
+    def build_images(self) -> None:
+        say(
+            "building the images and importing them into the kubelet node (hack/build-images;"
+            " the first run takes about 8 minutes)"
+        )
+        built = subprocess.run(
+            [str(REPO_DIR / "hack" / "build-images")],
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.images = dict(line.split("=", 1) for line in built.stdout.split())
+        say(
+            f"running on {kubelet_node.NODE_NAME} (the real kubelet, containerd and runc) with"
+            f" the images {', '.join(self.images.values())}"
         )
 
     def ensure_vllm_venv(self) -> None:
@@ -162,31 +197,51 @@ class Demo:
         )
         if BUCKET not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
             s3.create_bucket(Bucket=BUCKET)
-        for name in ADAPTERS:
-            for path in (model / "adapters" / name).rglob("*"):
+        folders = {name: model / "adapters" / name for name in ADAPTERS}
+        if self.with_images:  # a container reads no host path: the model comes from S3 too
+            folders["base"] = model / "base"
+        for prefix, folder in folders.items():
+            for path in folder.rglob("*"):
                 if path.is_file():
-                    key = f"{name}/{path.relative_to(model / 'adapters' / name).as_posix()}"
+                    key = f"{prefix}/{path.relative_to(folder).as_posix()}"
                     s3.upload_file(str(path), BUCKET, key)
-        say(f"uploaded adapters {', '.join(ADAPTERS)} to s3://{BUCKET}/")
+        say(f"uploaded {', '.join(folders)} to s3://{BUCKET}/")
 
     def install_operator(self) -> None:
-        say("installing the chart (operator pod on the process node, CRDs, RBAC)")
-        values = {
-            **PROCESS_NODE,
+        values: dict[str, Any] = {
+            **self.placement,
             # The process node runs the pod's command and ignores images; a real cluster pulls
             # the image built from worker_image/Dockerfile.
             # For the vLLM engine, the one from worker_image/Dockerfile.vllm; the process node
             # runs that image's command in vLLM's venv.
             "workerDefaults": {"image": "dynamo-worker:demo", "vllmImage": VLLM_WORKER_IMAGE},
         }
+        if self.with_images:
+            say("installing the chart (2 operator pods on the kubelet node, CRDs, RBAC)")
+            repository, tag = self.images["operator"].split(":")
+            values["image"] = {"repository": repository, "tag": tag, "pullPolicy": "Never"}
+            values["workerDefaults"] = {"image": self.images["worker"]}
+        else:
+            say("installing the chart (operator pod on the process node, CRDs, RBAC)")
         values_file = self.state / "operator-values.yaml"
         values_file.write_text(yaml.safe_dump(values))
         self.tool(
-            "helm", "upgrade", "--install", RELEASE, str(REPO_DIR / "helm" / "dynamo-operator"),
-            "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "-f", str(values_file),
+            "helm",
+            "upgrade",
+            "--install",
+            RELEASE,
+            str(REPO_DIR / "helm" / "dynamo-operator"),
+            "--namespace",
+            OPERATOR_NAMESPACE,
+            "--create-namespace",
+            "-f",
+            str(values_file),
             # Adopt CRDs a previous test run or `kubectl apply -f crds/` created.
-            "--take-ownership", "--wait", "--timeout", "5m",
-        )  # fmt: skip
+            "--take-ownership",
+            "--wait",
+            "--timeout",
+            "5m",
+        )
 
     def apply_workloads(self, model: Path) -> None:
         say(
@@ -200,28 +255,36 @@ class Demo:
             "metadata": {"name": "demo-s3", "namespace": NAMESPACE},
             "stringData": {"AWS_ACCESS_KEY_ID": S3_KEY_ID, "AWS_SECRET_ACCESS_KEY": S3_SECRET},
         }
+        source = f"s3://{BUCKET}/base" if self.with_images else str(model / "base")
+        # Upstream's frontend. The process node ignores images and runs the command: here the
+        # venv hack/oracle-venv made (on a cluster, leave command unset).
+        frontend: dict[str, Any] = {"image": FRONTEND_IMAGE, "command": _frontend_command()}
+        if self.with_images:
+            frontend = {"image": self.images["frontend"]}
         worker = {
             "apiVersion": "dynamo.dev/v1alpha1",
             "kind": "DynamoWorker",
             "metadata": {"name": "tiny", "namespace": NAMESPACE},
             "spec": {
-                "model": {"name": "tiny-llama", "source": str(model / "base"),
-                          "servedModelName": "tiny-llama"},
+                "model": {"name": "tiny-llama", "source": source, "servedModelName": "tiny-llama"},
                 "replicas": 2,
-                "resources": {"gpusPerPod": 1, "cpu": "1", "memory": "2Gi"},
+                # The kubelet node has this machine's 2 CPUs, and its scheduler counts requests.
+                "resources": {
+                    "gpusPerPod": 1,
+                    "cpu": "250m" if self.with_images else "1",
+                    "memory": "2Gi",
+                },
                 "lora": {"enabled": True, "maxLoras": 2},
                 **self.engine_spec(),
                 "modelTaints": ["demo=true"],
                 "drain": {"gracePeriodSeconds": 1, "drainTimeoutSeconds": 10},
-                "credentials": {"s3": {"secretName": "demo-s3",
-                                       "endpoint": f"http://{GATEWAY_IP}:{S3_PORT}"}},
-                "pod": PROCESS_NODE,
-                # Upstream's frontend. The process node ignores images and runs the command:
-                # here the venv hack/oracle-venv made (on a cluster, leave command unset).
-                "frontend": {"image": FRONTEND_IMAGE, "command": _frontend_command(),
-                             "pod": PROCESS_NODE},
+                "credentials": {
+                    "s3": {"secretName": "demo-s3", "endpoint": f"http://{GATEWAY_IP}:{S3_PORT}"}
+                },
+                "pod": self.placement,
+                "frontend": {**frontend, "pod": self.placement},
             },
-        }  # fmt: skip
+        }
         adapters = [
             {
                 "apiVersion": "dynamo.dev/v1alpha1",
@@ -384,8 +447,19 @@ def main(argv: list[str] | None = None) -> None:
         help="the workers' engine: the reference engine, or vLLM (its venv is made on first "
         "use, about 3.5 min; vLLM's start makes the demo take minutes longer)",
     )
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="run on the images users install, on the test bed's kubelet node (builds them "
+        "with hack/build-images first: about 8 minutes the first time; needs docker.io)",
+    )
     args = parser.parse_args(argv)
-    demo = Demo(Layout.from_env(), args.engine)
+    if args.images and args.engine == "vllm":
+        parser.error(
+            "--images runs the reference engine: the vLLM CPU image (hack/build-images --vllm) "
+            "is 7.4 GB more to build and import; use --engine vllm without --images"
+        )
+    demo = Demo(Layout.from_env(), args.engine, args.images)
     if args.command == "up":
         demo.up()
     else:

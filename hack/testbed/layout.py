@@ -88,6 +88,8 @@ class Ports:
     scheduler: int = 20259
     kwok: int = 20247
     kubelet: int = 20250
+    kubelet_node: int = 20251  # kubelet-node-0's real kubelet, on its own address
+    kubelet_node_healthz: int = 20252
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,11 @@ def setup_host() -> None:
     """Give the host its gateway address and hold the whole range as unreachable."""
     if GATEWAY_IP not in _lo_addresses():
         _ip("addr", "add", f"{GATEWAY_IP}/32", "dev", "lo")
+    hold_range()
+
+
+def hold_range() -> None:
+    """The unreachable route over the whole range (kept by `down`, see `teardown_host`)."""
     if "unreachable " + str(GUARDED_RANGE) not in _ip("route", "show").stdout:
         _ip("route", "add", "unreachable", str(GUARDED_RANGE))
 
@@ -109,14 +114,26 @@ def veth_name(pod_uid: str) -> str:
     return VETH_PREFIX + hashlib.sha1(pod_uid.encode()).hexdigest()[:10]
 
 
+def delete_link(name: str) -> None:
+    _ip("link", "del", name, check=False)
+
+
 def create_pod_network(pod_uid: str, pod_ip: str) -> str:
     """Create the pod's namespace with `pod_ip` on its eth0 and a host route to it.
 
     Returns the namespace name. Idempotent: an existing namespace is recreated.
     """
-    ns, veth = netns_name(pod_uid), veth_name(pod_uid)
+    ns = netns_name(pod_uid)
     delete_pod_network(pod_uid, pod_ip)
     _ip("netns", "add", ns)
+    wire_pod(ns, veth_name(pod_uid), pod_ip)
+    return ns
+
+
+def wire_pod(ns: str, veth: str, pod_ip: str) -> None:
+    """Join the network namespace `ns` (a name under /var/run/netns) to the host: a veth
+    pair, `veth` on the host and eth0 in `ns` holding `pod_ip`, and the routes both ways.
+    The process node and the kubelet node's CNI plugin (`testbed.cni_veth`) both use it."""
     _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
     _ip("link", "set", veth, "up")
     _ip("-n", ns, "link", "set", "lo", "up")
@@ -130,14 +147,13 @@ def create_pod_network(pod_uid: str, pod_ip: str) -> str:
     # Forward what arrives from this pod (to another pod's /32 route) without turning on
     # forwarding for the machine's other interfaces.
     _sysctl(f"net.ipv4.conf.{veth}.forwarding", "1")
-    return ns
 
 
 def delete_pod_network(pod_uid: str, pod_ip: str | None) -> None:
     """Remove the pod's namespace, veth and route (whatever of them exists)."""
     if pod_ip:
         _ip("route", "del", f"{pod_ip}/32", check=False)
-    _ip("link", "del", veth_name(pod_uid), check=False)
+    delete_link(veth_name(pod_uid))
     _ip("netns", "del", netns_name(pod_uid), check=False)
 
 
@@ -147,8 +163,12 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
 
 
+GUARD_ROUTE = f"unreachable {GUARDED_RANGE}"
+
+
 def leftovers() -> list[str]:
-    """Everything of the test bed's network that exists now (empty after a clean `down`)."""
+    """Everything of the test bed's network that exists now (empty after a clean `down`),
+    except the guard route: `down` keeps it on purpose (`teardown_host`)."""
     found = [f"netns {ns}" for ns in namespaces()]
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
@@ -160,7 +180,8 @@ def leftovers() -> list[str]:
             net = ipaddress.ip_network(dest, strict=False)
         except ValueError:
             continue
-        if net.version == 4 and net.subnet_of(GUARDED_RANGE):  # type: ignore[arg-type]
+        guard = line.split()[:2] == GUARD_ROUTE.split()
+        if net.version == 4 and net.subnet_of(GUARDED_RANGE) and not guard:  # type: ignore[arg-type]
             found.append(f"route {line.strip()}")
     lo = _lo_addresses()
     if GATEWAY_IP in lo:
@@ -173,7 +194,10 @@ def leftovers() -> list[str]:
 def teardown_host() -> None:
     """Remove every namespace, veth, route, address and nftables table the test bed made
     (Service addresses a killed service proxy left on `lo` among them), killing what still
-    runs inside its namespaces."""
+    runs inside its namespaces. The unreachable route over the whole range stays: a client
+    still pointed at the bed (a test session that outlived it, a kubeconfig) must fail at
+    once on this machine, not reach whatever answers for 198.18.0.0/15 beyond it, as one
+    did when a test bed went down under a running session."""
     for ns in namespaces():
         pids = _ip("netns", "pids", ns, check=False).stdout.split()
         for pid in pids:
@@ -189,3 +213,4 @@ def teardown_host() -> None:
         delete_service_address(cluster_ip)
     _ip("addr", "del", f"{GATEWAY_IP}/32", "dev", "lo", check=False)
     delete_nft_tables()
+    hold_range()

@@ -161,8 +161,34 @@ def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
+def issue_leaf(
+    pki: Path,
+    stem: Path,
+    common_name: str,
+    organization: str | None,
+    *,
+    serves: tuple[list[str], list[str]] | None = None,
+) -> None:
+    """`stem`.crt and `stem`.key signed by the test bed's CA (made by `ensure_pki`), unless
+    they exist: a client certificate, or a server's for `serves` = (DNS names, IPs)."""
+    if stem.with_suffix(".crt").exists():
+        return
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    key = _new_key()
+    _write_key(key, stem.with_suffix(".key"))
+    cert = _issue(_name(common_name, organization), key, ca_cert, ca_key, serves=serves)
+    _write_cert(cert, stem.with_suffix(".crt"))
+
+
 def write_admin_kubeconfig(pki: Path, server: str, path: Path) -> None:
     """A kubeconfig for the admin client certificate (what `hack/cluster env` exports)."""
+    kubeconfig_for(pki, server, pki / "admin", path)
+
+
+def kubeconfig_for(pki: Path, server: str, client: Path, path: Path) -> None:
+    """A kubeconfig for the client certificate `client`.crt/.key."""
     path.write_text(
         f"""apiVersion: v1
 kind: Config
@@ -172,15 +198,15 @@ clusters:
     server: {server}
     certificate-authority-data: {_b64(pki / "ca.crt")}
 users:
-- name: testbed-admin
+- name: {client.name}
   user:
-    client-certificate-data: {_b64(pki / "admin.crt")}
-    client-key-data: {_b64(pki / "admin.key")}
+    client-certificate-data: {_b64(client.with_suffix(".crt"))}
+    client-key-data: {_b64(client.with_suffix(".key"))}
 contexts:
 - name: dynamo-testbed
   context:
     cluster: dynamo-testbed
-    user: testbed-admin
+    user: {client.name}
 current-context: dynamo-testbed
 """
     )

@@ -1,8 +1,8 @@
 """The service proxy: what kube-proxy's old userspace mode did, for the test bed's Services.
 
 For every Service with a cluster IP (types ClusterIP, NodePort and LoadBalancer; not headless
-Services, not ExternalName, and not `default/kubernetes`, whose API server pods already reach
-at the gateway address), it puts the cluster IP on the host's `lo` and, for each TCP port
+Services, not ExternalName; `default/kubernetes` included, where the kubelet node's pods find
+the API server), it puts the cluster IP on the host's `lo` and, for each TCP port
 that has a ready endpoint, listens on clusterIP:port and forwards each connection to one ready
 endpoint of the Service's EndpointSlices, round robin. A port with no ready endpoint has no
 listener, so a connection to it is refused at once, as kube-proxy's REJECT rule does. Pods
@@ -77,8 +77,6 @@ class SliceView:
 def service_view(service: client.V1Service) -> ServiceView | None:
     """The proxied view of a Service, or None when the proxy leaves it alone."""
     meta, spec = service.metadata, service.spec
-    if (meta.namespace, meta.name) == ("default", "kubernetes"):
-        return None
     cluster_ip = spec.cluster_ip
     if (spec.type or "ClusterIP") not in PROXIED_TYPES or cluster_ip in (None, "", "None"):
         return None

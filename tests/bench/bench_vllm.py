@@ -227,33 +227,9 @@ async def behind_frontend(upstream_fleet: UpstreamFleet, tmp_path: Path) -> dict
     assert ours_version == upstream_version, "the two venvs hold different vLLM builds"
     fleet = upstream_fleet
     base = write_model(tmp_path / "tiny")
-    frontend = await fleet.start_frontend()
-    discovery = {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(fleet.kv),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-    }
-    ours = vllm.start_our_worker(
-        ours_python,
-        base,
-        tmp_path / "ours.log",
-        served_name=OURS_BEHIND_FRONTEND,
-        env={**discovery, "DYN_NAMESPACE": "bench-ours"},
+    frontend = await vllm.start_behind_frontend(
+        fleet, base, tmp_path, ours=OURS_BEHIND_FRONTEND, theirs=UPSTREAM_BEHIND_FRONTEND
     )
-    theirs = vllm.start_upstream_vllm_worker(
-        upstream_python,
-        base,
-        tmp_path / "upstream-vllm.log",
-        served_name=UPSTREAM_BEHIND_FRONTEND,
-        env={**discovery, "DYN_NAMESPACE": "bench-upstream"},
-    )
-    # The fleet (upstream_fleet's teardown) stops them when the test ends.
-    fleet.processes.extend([ours.process, theirs.process])
-    await vllm.wait_ready(ours)
-    await vllm.wait_ready(theirs)
-    await fleet.wait_models(OURS_BEHIND_FRONTEND, UPSTREAM_BEHIND_FRONTEND)
     return {
         "ours": Target(frontend, OURS_BEHIND_FRONTEND),
         "upstream": Target(frontend, UPSTREAM_BEHIND_FRONTEND),

@@ -26,8 +26,13 @@ from support.testbed_kubectl import kubectl
 pytestmark = pytest.mark.cluster
 
 sys.path.insert(0, str(REPO / "hack"))
-from testbed import network  # noqa: E402
-from testbed.layout import GUARDED_RANGE, PROCESS_NODE_TAINT_KEY, SERVICE_CIDR  # noqa: E402
+from testbed import kubelet_node, network  # noqa: E402
+from testbed.layout import (  # noqa: E402
+    GUARDED_RANGE,
+    PROCESS_NODE_TAINT_KEY,
+    SERVICE_CIDR,
+    Layout,
+)
 
 PROCESS_NODE_TOLERATION = {"key": PROCESS_NODE_TAINT_KEY, "operator": "Exists"}
 
@@ -754,6 +759,11 @@ def test_down_leaves_nothing_and_up_is_warm(testbed: Cluster) -> None:
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid), f"pid {pid} still runs"
     assert network.leftovers() == []
+    layout = Layout(Path(testbed.kubeconfig).parent)
+    assert kubelet_node.leftovers(layout) == []
+    for host_path in kubelet_node.BOUND.values():
+        # Bound over inside the node's private mount namespace only: the host's stay as they were.
+        assert not Path(host_path).exists() or not any(Path(host_path).iterdir()), host_path
     started = time.monotonic()
     result = hack_cluster("up")
     assert result.returncode == 0, result.stderr

@@ -1,6 +1,6 @@
-"""The README's demo command, end to end: `hack/demo` brings up the whole system and shows
-completions from the base model and each adapter, from a worker pod and through upstream's
-frontend; `hack/demo down` leaves nothing behind."""
+"""The demo command (README.md, docs/getting-started/demo.md), end to end: `hack/demo` brings
+up the whole system and shows completions from the base model and each adapter, from a worker
+pod and through upstream's frontend; `hack/demo down` leaves nothing behind."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """PNG plots of the benchmarks' figures, written beside what they print (matplotlib, headless).
 
-Plots go to `$DYNAMO_BENCH_PLOTS` (the README's command sets it to docs/img to regenerate the
-committed ones), else to `dynamo-bench-plots` in the system's temp folder; each call prints
-the path it wrote. One function per kind of figure, so every benchmark's plots look alike.
+Plots go to `$DYNAMO_BENCH_PLOTS` (the command in docs/operations/benchmarks.md sets it to
+docs/img to regenerate the committed ones), else to `dynamo-bench-plots` in the system's temp
+folder; each call prints the path it wrote. One function per kind of figure, so every
+benchmark's plots look alike.
 """
 
 from __future__ import annotations

@@ -105,22 +105,16 @@ async def api(cluster: Cluster) -> AsyncIterator[client.ApiClient]:
         yield api_client
 
 
-# After a kube-apiserver restart (the fault suite's) the test bed's controller-manager
-# watches again on client-go's reflector backoff: up to 30 s, jittered up to twice that.
-CONTROLLERS_BACK_WITHIN = 60.0
-
-
 async def create_test_namespace(api: client.ApiClient, prefix: str = "t") -> str:
     """A fresh namespace, labelled as a test's, with its `default` ServiceAccount."""
     core = client.CoreV1Api(api)
     name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     body: Any = {"metadata": {"name": name, "labels": {"dynamo.dev/test": "true"}}}
     await core.create_namespace(body)
-    # Pods need the namespace's `default` ServiceAccount, which a controller creates.
-    await eventually(
-        lambda: core.read_namespaced_service_account("default", name),
-        CONTROLLERS_BACK_WITHIN + 30,
-    )
+    # Pods need the namespace's `default` ServiceAccount, which a controller creates (after
+    # the fault suite's apiserver restarts too: `hack/cluster restart-apiserver` returns only
+    # once the controllers act again).
+    await eventually(lambda: core.read_namespaced_service_account("default", name), 30)
     return name
 
 

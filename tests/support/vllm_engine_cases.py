@@ -23,6 +23,7 @@ from dynamo.common.backend import ComponentSnapshot, EngineConfig, GenerateReque
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics
 from dynamo.engines.vllm import VllmEngine
 from dynamo.runtime.context import Context
+from dynamo.runtime.errors import RequestError
 
 SERVED = "tiny-llama"
 MAX_LORAS = 2
@@ -252,8 +253,39 @@ async def test_seeded_sampling_and_logprobs(engine: VllmEngine) -> None:
     tops = [top for c in chunks for top in c.get("top_logprobs", [])]
     assert len(tops) == 16
     assert all(len(top) >= 2 for top in tops)
-    with pytest.raises(ValueError, match=r"sampling_options\.top_p"):
+    with pytest.raises(RequestError, match=r"'top_p' must be in") as info:
         await run(engine, request(sampling={"top_p": 0}))
+    assert info.value.param == "top_p"
+
+
+async def test_bad_requests_are_request_errors_naming_the_field(engine: VllmEngine) -> None:
+    limits = engine.request_limits()
+    assert limits.context_length == 512
+    assert limits.vocab_size == 512
+    assert limits.supports("response_format")
+    refusals = [
+        (request(prompt=[1] * 600), "prompt", "context_length_exceeded"),
+        (request(max_tokens=600), "max_tokens", "context_length_exceeded"),
+        (request(prompt=[1, 99_999_999]), "prompt", None),
+        (request(sampling={"temperature": 3.0}), "temperature", None),
+        (request(sampling={"presence_penalty": 5.0}), "presence_penalty", None),
+        (request(output={"logprobs": 10_000}), "logprobs", None),
+    ]
+    for bad, param, code in refusals:
+        with pytest.raises(RequestError) as info:
+            await run(engine, bad)
+        assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
+
+
+async def test_structured_output_and_logit_bias_are_honoured(engine: VllmEngine) -> None:
+    forced, _ = await run(engine, request(max_tokens=4, sampling={"logit_bias": {"65": 100}}))
+    assert forced == [65, 65, 65, 65]
+    guided = {"guided_decoding": {"choice": ["yes", "no"]}}
+    tokens, last = await run(
+        engine, request(max_tokens=8, sampling=guided, stop={"ignore_eos": False})
+    )
+    assert engine.tokenizer.decode(tokens, skip_special_tokens=True) in ("yes", "no"), tokens
+    assert last["finish_reason"] == "stop"
 
 
 # ----- abort -----------------------------------------------------------------------------
@@ -301,7 +333,9 @@ async def test_lora_load_list_unload_frees_the_slot(engine: VllmEngine) -> None:
     assert refused["reason"] == "capacity"
     assert "chat" not in engine.adapter_names()
     # Unloading frees the vLLM slot: vLLM no longer lists it, and another adapter fits.
-    sql_id = engine._adapters["sql"].vllm_id
+    sql_version = engine._adapters.get("sql")
+    assert sql_version is not None
+    sql_id = sql_version.vllm_id
     assert (await engine.engine_update("unload_lora", {"lora_name": "sql"}))["status"] == "success"
     assert sql_id not in await engine.resident_adapters()
     with pytest.raises(ValueError, match="nor a loaded LoRA adapter"):

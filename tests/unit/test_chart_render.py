@@ -208,8 +208,13 @@ def test_deployment_runs_one_restricted_operator_with_probes(helm: Path) -> None
     }
     pod = deployment["spec"]["template"]["spec"]
     main = container(docs)
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert main[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    # A standby that cannot read the Lease is not ready; without an election kopf serves
+    # /healthz alone.
+    assert main["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    alone = container(render(helm, {"leaderElection": {"enabled": False}, "replicaCount": 1}))
+    assert alone["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert main["resources"]["requests"]
     assert main["resources"]["limits"]["memory"]
     # The `restricted` Pod Security Standard.

@@ -285,3 +285,50 @@ def test_the_command_line_reaches_the_election() -> None:
     )
     assert (args.leader_election, args.lease_name, args.lease_retry_seconds) == (True, "x", 1.0)
     assert cli._parser().parse_args(["run", "-n", "a"]).lease_name is None
+
+
+class _UnreachableStore:
+    """A Lease store whose API server answers only when told to (a standby's view of it)."""
+
+    namespace, name = "ops", "dynamo-operator-leader"
+
+    def __init__(self) -> None:
+        self.reachable = False
+
+    async def read(self) -> LeaseRecord | None:
+        if not self.reachable:
+            raise OSError("Cannot connect to host 198.19.0.1:443")
+        return lease("a", "1")
+
+    async def write(self, record: LeaseRecord) -> LeaseRecord:
+        raise AssertionError("a standby of a held Lease writes nothing")
+
+
+async def test_a_standby_that_cannot_read_the_lease_is_not_ready() -> None:
+    from dynamo_operator.handlers.leadership import Leadership
+    from dynamo_operator.metrics import OperatorMetrics
+
+    now = [100.0]
+    store = _UnreachableStore()
+    standby = Leadership(
+        store,  # type: ignore[arg-type]
+        Election("b", TIMING),
+        OperatorMetrics(),
+        clock=lambda: now[0],
+    )
+    assert standby.standby_problem() is not None  # nothing read yet
+    assert not await standby._try_step()
+    problem = standby.standby_problem()
+    assert problem is not None
+    assert "ops/dynamo-operator-leader" in problem
+    assert "Cannot connect to host 198.19.0.1:443" in problem
+    store.reachable = True
+    assert not await standby._try_step()  # held by "a": a standby waits
+    assert standby.standby_problem() is None
+    # Unreachable again: ready for one Lease duration after the last read, then not.
+    store.reachable = False
+    now[0] += TIMING.lease_duration
+    await standby._try_step()
+    assert standby.standby_problem() is None
+    now[0] += 1
+    assert standby.standby_problem() is not None

@@ -25,6 +25,7 @@ from dynamo_operator.handlers.indices import (
 from dynamo_operator.handlers.lifecycle import (
     API_RETRY_CAP_SECONDS,
     API_RETRY_WINDOW_SECONDS,
+    FINALIZER,
     KOPF_REQUEST_CONNECTIONS,
     NoDiffBase,
     api_error_backoffs,
@@ -159,6 +160,20 @@ def test_watcher_problem(
         assert problem in found
 
 
+def test_a_watcher_that_stopped_is_a_liveness_problem() -> None:
+    seen = frozenset(
+        {
+            "watcher for dynamoworkers.v1alpha1.dynamo.dev@a",
+            "watcher for dynamoworkermetadatas.v1alpha1.nvidia.com@a",
+        }
+    )
+    assert watcher_problem(sorted(seen), ("a",), seen) is None
+    # kopf ended the metadata watcher on a 404 (its CRD replaced) and never restarts it.
+    found = watcher_problem(["watcher for dynamoworkers.v1alpha1.dynamo.dev@a"], ("a",), seen)
+    assert found is not None
+    assert "dynamoworkermetadatas.v1alpha1.nvidia.com@a" in found
+
+
 def test_context_is_shared_across_kopfs_copies() -> None:
     ctx = OperatorContext(OperatorConfig(namespaces=("a",)))
     assert copy.copy(ctx) is ctx
@@ -249,7 +264,8 @@ async def test_one_resync_loop_runs_on_triggers_requests_and_the_period() -> Non
         # The first pass asks to run again soon (a backoff ending); later ones do not.
         return 0.1 if len(passes) == 1 else None
 
-    loop = asyncio.create_task(resync_loop(memo, key, stopped, reconcile))
+    body = kopf.Body({"metadata": {"name": "sql", "finalizers": [FINALIZER]}})
+    loop = asyncio.create_task(resync_loop(memo, key, body, stopped, reconcile))
     try:
         for want in (2, 3, 4):
             while len(passes) < want:
@@ -264,3 +280,33 @@ async def test_one_resync_loop_runs_on_triggers_requests_and_the_period() -> Non
         setter.set()
         await asyncio.wait_for(loop, timeout=5)
     assert memo.metrics.managed_objects.labels(kind="LoRAAdapter")._value.get() == 0
+
+
+async def test_the_resync_loop_reconciles_nothing_before_kopfs_finalizer_is_on() -> None:
+    # kopf spawns the daemon in the pass that asks for its finalizer; under API errors that
+    # PATCH is retried for minutes, and a reconcile meanwhile would serve with no finalizer.
+    memo = OperatorContext(OperatorConfig(namespaces=("ns",)))
+    setter: FlagSetter[Any] = FlagSetter()
+    key = ("DynamoWorker", "ns", "llm")
+    raw: Any = {"metadata": {"name": "llm"}}
+    body = kopf.Body(raw)  # kopf's live body: it follows `raw`
+    passes: list[bool] = []
+    reconciled = asyncio.Event()
+
+    async def reconcile(full: bool) -> float | None:
+        passes.append(full)
+        reconciled.set()
+        return None
+
+    loop = asyncio.create_task(resync_loop(memo, key, body, setter.async_waiter, reconcile))
+    try:
+        memo.wake(*key)  # events do not bypass the wait
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(reconciled.wait()), timeout=1.5)
+        assert passes == []
+        raw["metadata"]["finalizers"] = [FINALIZER]  # kopf's PATCH went through at last
+        await asyncio.wait_for(reconciled.wait(), timeout=5)
+        assert passes == [True]
+    finally:
+        setter.set()
+        await asyncio.wait_for(loop, timeout=5)

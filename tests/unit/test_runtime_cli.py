@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from dynamo.engines.sample import SampleEngine
 from dynamo.runtime import cli
+from support.s3 import S3Server
 
 pytestmark = pytest.mark.unit
 
@@ -126,6 +128,26 @@ async def test_resolve_model() -> None:
     assert await cli.resolve_model("file:///models/x") == "/models/x"
     with pytest.raises(ValueError, match="unsupported scheme 'ftp'"):
         await cli.resolve_model("ftp://host/model")
+
+
+async def test_an_s3_model_is_fetched_once_into_the_model_cache(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    s3_server.apply_env(monkeypatch)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")  # what the operator sets for an http endpoint
+    monkeypatch.setenv("DYN_MODEL_CACHE", str(tmp_path / "models"))
+    bucket = s3_server.new_bucket("model")
+    s3 = s3_server.client()
+    s3.put_object(Bucket=bucket, Key="tiny/config.json", Body=b"{}")
+    s3.put_object(Bucket=bucket, Key="tiny/weights/part-0.bin", Body=b"0123")
+    local = Path(str(await cli.resolve_model(f"s3://{bucket}/tiny")))
+    assert local.parent == tmp_path / "models"
+    assert (local / "config.json").read_bytes() == b"{}"
+    assert (local / "weights" / "part-0.bin").read_bytes() == b"0123"
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [local.name]  # nothing partial
+    # A second start reads the cache: the objects are not fetched again.
+    s3.delete_object(Bucket=bucket, Key="tiny/config.json")
+    assert await cli.resolve_model(f"s3://{bucket}/tiny") == str(local)
 
 
 async def test_create_engine_reports_engine_errors_in_one_line(

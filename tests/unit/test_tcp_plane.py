@@ -24,6 +24,7 @@ from dynamo.runtime.discovery.records import endpoint_record
 from dynamo.runtime.inflight import InflightTracker
 from dynamo.runtime.metrics import RuntimeMetrics, auto_labels
 from dynamo.runtime.models import ServedModels
+from dynamo.runtime.request_limits import ALL_FEATURES, RequestLimits
 from dynamo.runtime.serving import Serving
 from dynamo.runtime.settings import RuntimeSettings
 from dynamo.runtime.tcp_plane import TcpRequestPlane, address, codec, messages
@@ -392,3 +393,43 @@ class FailingEngine(RecordingEngine):
     ) -> AsyncGenerator[GenerateChunk, None]:
         yield {"token_ids": [9], "index": 0}
         raise RuntimeError("boom")
+
+
+async def test_requests_past_the_engines_limits_are_invalid_argument(
+    sample: SampleEngine, frontend: FakeFrontend
+) -> None:
+    """What the engine publishes (`RequestLimits`) is checked on this plane too: the issue's
+    three bad requests are upstream's InvalidArgument (the frontend's 400), never Unknown."""
+    tracker = InflightTracker()
+    limits = RequestLimits(context_length=16, vocab_size=300, features=ALL_FEATURES)
+    plane = TcpRequestPlane(
+        Serving(
+            sample,
+            models=ServedModels(base="sample-model"),
+            metrics=RuntimeMetrics(auto_labels("dynamo", "backend", "generate", 0x1F)),
+            tracker=tracker,
+            limits=limits,
+        ),
+        endpoint_path=PATH,
+    )
+    port = await plane.start("127.0.0.1", 0)
+    await frontend.connect(port)
+    long_prompt, top_p, vocabulary = frontend.expect(), frontend.expect(), frontend.expect()
+    bad_top_p = request([1], 3)
+    bad_top_p["sampling_options"] = {"temperature": 0.5, "top_p": 2.0, "seed": None}
+    await frontend.send(
+        frontend.frame(PATH, request([1] * 40, 3), long_prompt),
+        frontend.frame(PATH, bad_top_p, top_p),
+        frontend.frame(PATH, request([99_999_999], 3), vocabulary),
+    )
+    fragments = [
+        (long_prompt, "maximum context length"),
+        (top_p, "'top_p'"),
+        (vocabulary, "vocabulary"),
+    ]
+    for stream, fragment in fragments:
+        await asyncio.wait_for(stream.closed.wait(), 10)
+        [item] = stream.items
+        assert item["data"]["error"]["error_type"] == {"Backend": "InvalidArgument"}
+        assert fragment in item["data"]["error"]["message"]
+    await plane.stop()

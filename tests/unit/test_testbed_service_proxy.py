@@ -55,6 +55,8 @@ def test_services_with_a_cluster_ip_are_proxied_by_tcp_port_name() -> None:
     )
     for type_ in (None, "NodePort", "LoadBalancer"):
         assert service_view(_service(type_=type_)) is not None, type_
+    # The API server's own: the kubelet points pods at it (KUBERNETES_SERVICE_HOST).
+    assert service_view(_service(name="kubernetes", namespace="default")) is not None
     unnamed = service_view(_service(ports=[client.V1ServicePort(port=8080)]))
     assert unnamed is not None
     assert unnamed.ports == {"": 8080}
@@ -65,7 +67,6 @@ def test_services_with_a_cluster_ip_are_proxied_by_tcp_port_name() -> None:
     [
         ("headless", _service(cluster_ip="None")),
         ("ExternalName", _service(type_="ExternalName", cluster_ip=None)),
-        ("the API server's own", _service(name="kubernetes", namespace="default")),
         ("UDP only", _service(ports=[client.V1ServicePort(port=53, protocol="UDP")])),
         ("outside the service CIDR", _service(cluster_ip="10.96.0.10")),
     ],

@@ -25,9 +25,11 @@ from dynamo.engines.transformers_engine import (
     SamplingParams,
     TransformersEngine,
     TransformersEngineArgs,
+    apply_penalties,
     sample_token,
 )
 from dynamo.runtime.context import Context
+from dynamo.runtime.errors import RequestError
 from dynamo.runtime.tokenizer import Tokenizer
 from support.tiny_model import TinyModel
 
@@ -222,7 +224,7 @@ def test_sample_token_respects_top_k_and_top_p() -> None:
     top_p = {sample_token(logits, SamplingParams(1.0, 0.5, 0), generator) for _ in range(100)}
     assert top_p == {0}
     assert sample_token(logits, SamplingParams(temperature=0.0), generator) == 0
-    with pytest.raises(ValueError, match=r"sampling_options\.top_p must be in \(0, 1\]"):
+    with pytest.raises(RequestError, match=r"'top_p' must be in \(0, 1\]"):
         SamplingParams.from_options({"top_p": 0})
 
 
@@ -379,20 +381,25 @@ async def test_eos_from_the_generation_config_stops_unless_ignored(
     eng = make_engine(model, tmp_path / "cache", context_length=len(prompts["hello"]) + 12)
     await eng.start(worker_id=2)
     try:
-        tokens, last = await run(eng, request(prompts["hello"]))
+        tokens, last = await run(eng, request(prompts["hello"], max_tokens=12))
         assert (tokens, last["finish_reason"]) == (greedy[: k + 1], "stop")
         tokens, last = await run(
             eng, request(prompts["hello"], max_tokens=10, stop={"ignore_eos": True})
         )
         assert (tokens, last["finish_reason"]) == (greedy[:10], "length")
-        # Past the context length (prompt + 12) nothing more fits, max_tokens or not.
-        for max_tokens in (None, 100):
-            stop = {"ignore_eos": True, "max_tokens": max_tokens}
-            tokens, last = await run(eng, request(prompts["hello"], max_tokens=None, stop=stop))
-            assert (tokens, last["finish_reason"]) == (greedy[:12], "length")
+        # Without max_tokens the output runs to the context length (prompt + 12)...
+        stop: dict[str, Any] = {"ignore_eos": True, "max_tokens": None}
+        tokens, last = await run(eng, request(prompts["hello"], max_tokens=None, stop=stop))
+        assert (tokens, last["finish_reason"]) == (greedy[:12], "length")
+        # ... and asking for more than fits is a request error (400), as in vLLM.
+        stop = {"ignore_eos": True, "max_tokens": 13}
+        with pytest.raises(RequestError) as info:
+            await run(eng, request(prompts["hello"], max_tokens=None, stop=stop))
+        assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
         too_long = prompts["hello"] * 3
-        with pytest.raises(ValueError, match="the context length is"):
+        with pytest.raises(RequestError, match="the context length is") as info:
             await run(eng, request(too_long))
+        assert (info.value.param, info.value.code) == ("prompt", "context_length_exceeded")
     finally:
         await eng.cleanup()
 
@@ -402,14 +409,21 @@ async def test_bad_requests_are_refused_with_the_field_named(
 ) -> None:
     with pytest.raises(ValueError, match="neither the served model 'tiny-llama'"):
         await run(engine, request(prompts["hello"], model="nope"))
-    with pytest.raises(ValueError, match=r"sampling_options\.temperature must be >= 0"):
-        await run(engine, request(prompts["hello"], sampling={"temperature": -1}))
-    with pytest.raises(ValueError, match=r"stop_conditions\.max_tokens must be >= 1"):
-        await run(engine, request(prompts["hello"], max_tokens=0))
-    with pytest.raises(ValueError, match="token_ids must be integers in"):
-        await run(engine, request([1, 10**6]))
-    with pytest.raises(ValueError, match=r"sampling_options\.n and best_of must be 1"):
-        await run(engine, request(prompts["hello"], sampling={"n": 2}))
+    # Each refusal is a RequestError (400) naming the OpenAI field.
+    refusals = [
+        (request(prompts["hello"], sampling={"temperature": -1}), "temperature"),
+        (request(prompts["hello"], sampling={"top_p": 2.0}), "top_p"),
+        (request(prompts["hello"], max_tokens=0), "max_tokens"),
+        (request([1, 10**6]), "prompt"),
+        (request(prompts["hello"], sampling={"n": 2}), "n"),
+        (request(prompts["hello"], sampling={"guided_decoding": {"json_object": True}}), None),
+    ]
+    for bad, param in refusals:
+        with pytest.raises(RequestError) as info:
+            await run(engine, bad)
+        assert info.value.status == 400
+        assert info.value.param == (param or "response_format"), info.value
+    assert "not supported by this engine" in str(info.value)
 
 
 # ----- LoRA ------------------------------------------------------------------------------
@@ -636,3 +650,55 @@ async def test_from_args_parses_flags_and_refuses_bad_ones(
     with pytest.raises(SystemExit):
         await TransformersEngine.from_args(["--model", str(tiny_model.base), "--max-num-seqs", "0"])
     assert "max_num_seqs (--max-num-seqs) must be >= 1, got 0" in capsys.readouterr().err
+
+
+async def test_log_probabilities_come_from_the_logits(
+    engine: TransformersEngine, prompts: dict[str, list[int]]
+) -> None:
+    """`output_options.logprobs: N`: each token's log probability and its N best
+    alternatives, from the model's own distribution (greedy: the token is the best one)."""
+    req = request(prompts["hello"], max_tokens=4)
+    req["output_options"] = {"logprobs": 3}
+    chunks = [chunk async for chunk in engine.generate(req, Context())]
+    assert [len(chunk["log_probs"]) for chunk in chunks] == [1, 1, 1, 1]
+    for chunk in chunks:
+        (top,) = chunk["top_logprobs"]
+        assert [alt["rank"] for alt in top] == [1, 2, 3]
+        assert top[0]["token_id"] == chunk["token_ids"][0]
+        assert math.isclose(top[0]["logprob"], chunk["log_probs"][0])
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert all(alt["logprob"] <= 0 for alt in top)
+    # logprobs 0: the sampled token's alone.
+    req["output_options"] = {"logprobs": 0}
+    chunks = [chunk async for chunk in engine.generate(req, Context())]
+    assert all("top_logprobs" not in chunk and len(chunk["log_probs"]) == 1 for chunk in chunks)
+
+
+async def test_penalties_and_logit_bias_change_the_output(
+    engine: TransformersEngine, prompts: dict[str, list[int]]
+) -> None:
+    greedy, _ = await run(engine, request(prompts["hello"], max_tokens=6))
+    banned = greedy[0]
+    biased, _ = await run(
+        engine,
+        request(prompts["hello"], max_tokens=6, sampling={"logit_bias": {str(banned): -100}}),
+    )
+    assert biased[0] != banned
+    forced, _ = await run(
+        engine, request(prompts["hello"], max_tokens=3, sampling={"logit_bias": {"7": 100}})
+    )
+    assert forced == [7, 7, 7]
+
+
+def test_penalties_follow_vllms_definitions() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # Token 3 generated twice, token 1 once; the prompt does not count for these two.
+    out = apply_penalties(logits, params, prompt=[0], output=[3, 3, 1])
+    assert out.tolist() == [2.0, -1.0 - 0.25 - 0.5, 0.5, 3.0 - 0.5 - 0.5]
+    # Repetition: over prompt and output, positive logits divided, negative multiplied.
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0]
+    biased = apply_penalties(logits, SamplingParams(logit_bias=((2, 10.0),)), [0], [])
+    assert biased.tolist() == [2.0, -1.0, 10.5, 3.0]
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0], "the input is left alone"

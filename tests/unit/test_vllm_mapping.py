@@ -11,13 +11,13 @@ import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
 import zmq
 
-from dynamo.common.backend import ComponentSnapshot
+from dynamo.common.backend import ComponentSnapshot, GenerateRequest
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics
 from dynamo.engines.fpm import ForwardPassEmitter
 from dynamo.engines.vllm import VllmEngine
@@ -25,6 +25,7 @@ from dynamo.engines.vllm.kv_bridge import KvEventBridge, block_hash, forward_bat
 from dynamo.engines.vllm.sampling import requested_logprobs, sampling_kwargs
 from dynamo.engines.vllm.stats import RankStats
 from dynamo.runtime import cli
+from dynamo.runtime.errors import RequestError
 from support.tiny_model import TINY_MODEL_SEED, load_generator
 
 pytestmark = pytest.mark.unit
@@ -34,10 +35,25 @@ pytestmark = pytest.mark.unit
 
 
 def test_sampling_kwargs_map_every_supported_field() -> None:
+    # The numbers keep their names and values in vLLM's SamplingParams.
+    numbers = {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.1,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+    }
     kwargs = sampling_kwargs(
         {
             "token_ids": [1, 2],
-            "sampling_options": {"temperature": 0.5, "top_p": 0.9, "top_k": 20, "seed": 7},
+            "sampling_options": {
+                **numbers,
+                "logit_bias": {"5": -100, "7": 2.5},
+                "guided_decoding": {"json": {"type": "object"}},
+            },
             "stop_conditions": {
                 "max_tokens": 9,
                 "min_tokens": 2,
@@ -50,10 +66,9 @@ def test_sampling_kwargs_map_every_supported_field() -> None:
         default_max_tokens=100,
     )
     assert kwargs == {
-        "temperature": 0.5,
-        "top_p": 0.9,
-        "top_k": 20,
-        "seed": 7,
+        **numbers,
+        "logit_bias": {5: -100.0, 7: 2.5},
+        "structured_outputs": {"json": {"type": "object"}},
         "max_tokens": 9,
         "min_tokens": 2,
         "stop_token_ids": [3, 4, 5],
@@ -69,12 +84,19 @@ def test_sampling_kwargs_defaults_and_refusals() -> None:
     assert kwargs["temperature"] == 1.0
     assert kwargs["top_k"] == 0
     assert kwargs["logprobs"] is None
-    with pytest.raises(ValueError, match="top_p"):
-        sampling_kwargs({"token_ids": [1], "sampling_options": {"top_p": 0}}, 10)
-    with pytest.raises(ValueError, match="max_tokens"):
-        sampling_kwargs({"token_ids": [1], "stop_conditions": {"max_tokens": 0}}, 10)
-    with pytest.raises(ValueError, match=r"n and best_of"):
-        sampling_kwargs({"token_ids": [1], "sampling_options": {"n": 2}}, 10)
+    assert kwargs["logit_bias"] is None
+    assert kwargs["structured_outputs"] is None
+    refusals: list[tuple[dict[str, Any], str]] = [
+        ({"sampling_options": {"top_p": 0}}, "top_p"),
+        ({"sampling_options": {"temperature": 3}}, "temperature"),
+        ({"stop_conditions": {"max_tokens": 0}}, "max_tokens"),
+        ({"sampling_options": {"n": 2}}, "n"),
+        ({"sampling_options": {"guided_decoding": {"backend": "x"}}}, "response_format"),
+    ]
+    for fields, param in refusals:
+        with pytest.raises(RequestError) as info:
+            sampling_kwargs(cast(GenerateRequest, {"token_ids": [1], **fields}), 10)
+        assert (info.value.status, info.value.param) == (400, param)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +107,7 @@ def test_requested_logprobs(value: Any, expected: int | None) -> None:
 
 
 def test_requested_logprobs_refuses_nonsense() -> None:
-    with pytest.raises(ValueError, match=r"output_options\.logprobs"):
+    with pytest.raises(RequestError, match=r"'logprobs'"):
         requested_logprobs({"logprobs": -1})
 
 

@@ -94,6 +94,7 @@ async def _operate_when_elected(config: OperatorConfig) -> None:
         config.health_port,
         lambda: leadership.role,
         lambda: lifecycle.liveness_problem(memo),
+        leadership.standby_problem,
     )
     await memo.serve_metrics()
     try:

@@ -66,6 +66,8 @@ class OperatorContext:
     # Leader election's write fence (handlers.leadership), checked before every write.
     fence: Callable[[], None] | None = None
     started_at: float = field(default_factory=time.monotonic)
+    # Every kopf watcher task seen running (the liveness check reports one that has gone).
+    watchers: frozenset[str] = frozenset()
     _services: Services | None = None
     _metrics_runner: web.AppRunner | None = None
     # The children's kinds kopf watches, so reconciles read them from its indices.

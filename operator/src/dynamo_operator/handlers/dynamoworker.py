@@ -1,7 +1,8 @@
 """kopf handlers for DynamoWorker: glue between kopf's events and `WorkerReconciler`.
 
 - A daemon per DynamoWorker (`resync.resync_loop`) is its one reconciler: it reconciles as
-  soon as kopf sees the object (a new one, or every one when the operator starts), again
+  soon as kopf sees the object (a new one, or every one when the operator starts) and kopf's
+  finalizer is on it, again
   whenever the DynamoWorker or one of its children changes (any child the operator applies,
   its pods, their DynamoWorkerMetadata), after `RETRY_DELAY_SECONDS` when the API server
   refused, and at least every resync period.
@@ -121,7 +122,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             return None
 
         try:
-            await resync_loop(memo, (DYNAMO_WORKER, namespace, name), stopped, reconcile)
+            await resync_loop(memo, (DYNAMO_WORKER, namespace, name), body, stopped, reconcile)
         finally:
             memo.services.reconciler.forget(namespace, name, uid)
 

@@ -74,6 +74,10 @@ class Leadership:
         self.metrics = metrics
         self._clock = clock
         self.previous_holder: str | None = None
+        # When the Lease was last read, and why the last try failed: a standby that cannot
+        # reach the API server is not ready (it could never take over).
+        self._last_read: float | None = None
+        self._last_error = "not read yet"
         metrics.leader.set(0)
 
     @property
@@ -87,6 +91,7 @@ class Leadership:
     async def _step(self) -> bool:
         """Read the Lease and take or renew it when the rules say so; True while leading."""
         record = await self.store.read()
+        self._last_read = self._clock()
         self.election.observe(record, self._clock())
         action = self.election.next_action(self._clock())
         if action is Action.WAIT:
@@ -106,7 +111,18 @@ class Leadership:
             logger.debug("Lease: %s", err)
         except (ApiException, OSError, TimeoutError) as err:
             logger.warning("Lease %s/%s: %s", self.store.namespace, self.store.name, err)
+            self._last_error = str(err)
         return self.election.may_write(self._clock())
+
+    def standby_problem(self) -> str | None:
+        """Why this standby is not ready: no Lease read succeeded for a Lease duration."""
+        within = self.election.timing.lease_duration
+        if self._last_read is not None and self._clock() - self._last_read <= within:
+            return None
+        return (
+            f"no read of Lease {self.store.namespace}/{self.store.name} succeeded in the last"
+            f" {within:.0f} s: {self._last_error}"
+        )
 
     async def campaign(self) -> None:
         """Until this replica holds the Lease."""
@@ -174,10 +190,17 @@ def lost_leadership(identity: str) -> None:
 
 
 async def serve_health(
-    host: str, port: int, role: Callable[[], str], leader_problem: Callable[[], str | None]
+    host: str,
+    port: int,
+    role: Callable[[], str],
+    leader_problem: Callable[[], str | None],
+    standby_problem: Callable[[], str | None],
 ) -> web.AppRunner:
-    """`/healthz`: 200 `standby` while standing by; while leading, 200 `leader` unless
-    `leader_problem()` names one (500 with it; a deaf leader is cured only by a restart)."""
+    """`/healthz` (liveness): 200 `standby` while standing by; while leading, 200 `leader`
+    unless `leader_problem()` names one (500 with it; a deaf leader is cured only by a
+    restart). `/readyz` (readiness): the leader as `/healthz`; a standby 200 unless
+    `standby_problem()` names one (503 with it: a restart would not reach the API server
+    either, but a rollout or `helm install --wait` must not count it as up)."""
 
     async def healthz(_: web.Request) -> web.Response:
         if role() != LEADER:
@@ -187,8 +210,17 @@ async def serve_health(
             return web.Response(status=500, text=problem)
         return web.Response(text=LEADER)
 
+    async def readyz(request: web.Request) -> web.Response:
+        if role() == LEADER:
+            return await healthz(request)
+        problem = standby_problem()
+        if problem is not None:
+            return web.Response(status=503, text=problem)
+        return web.Response(text=STANDBY)
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

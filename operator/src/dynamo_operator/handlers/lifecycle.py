@@ -54,7 +54,8 @@ API_RETRY_WINDOW_SECONDS = 300.0
 API_RETRY_CAP_SECONDS = 5.0
 # After this long, the watchers for DynamoWorkers must exist, or the liveness probe fails.
 WATCHER_STARTUP_GRACE_SECONDS = 30.0
-WATCHER_TASK_PREFIX = "watcher for dynamoworkers.v1alpha1.dynamo.dev@"
+ANY_WATCHER_PREFIX = "watcher for "
+WATCHER_TASK_PREFIX = f"{ANY_WATCHER_PREFIX}dynamoworkers.v1alpha1.dynamo.dev@"
 # kopf's requests other than its watches (patches, Events) share this many connections.
 KOPF_REQUEST_CONNECTIONS = 32
 
@@ -111,8 +112,12 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
-def watcher_problem(task_names: list[str], namespaces: tuple[str, ...]) -> str | None:
-    """Why the DynamoWorker watchers look dead, or None when one runs per namespace."""
+def watcher_problem(
+    task_names: list[str], namespaces: tuple[str, ...], seen: frozenset[str] = frozenset()
+) -> str | None:
+    """Why the watchers look dead, or None: no DynamoWorker watcher in a namespace, or a
+    watcher task in `seen` (every one that ran) that is gone. kopf ends a watcher for good when
+    its watch fails outright (a 404 while a CRD is replaced, say) and never starts it again."""
     running = {
         n[len(WATCHER_TASK_PREFIX) :] for n in task_names if n.startswith(WATCHER_TASK_PREFIX)
     }
@@ -120,6 +125,10 @@ def watcher_problem(task_names: list[str], namespaces: tuple[str, ...]) -> str |
     missing = sorted(expected - running)
     if missing:
         return f"no DynamoWorker watch is running for namespace(s) {', '.join(missing)}"
+    stopped = sorted(seen - set(task_names))
+    if stopped:
+        names = ", ".join(n[len(ANY_WATCHER_PREFIX) :] for n in stopped)
+        return f"watches stopped, which kopf does not start again: {names}"
     return None
 
 
@@ -178,4 +187,5 @@ def liveness_problem(memo: OperatorContext) -> str | None:
     if time.monotonic() - memo.started_at < WATCHER_STARTUP_GRACE_SECONDS:
         return None
     names = [task.get_name() for task in asyncio.all_tasks()]
-    return watcher_problem(names, memo.config.namespaces)
+    memo.watchers |= {n for n in names if n.startswith(ANY_WATCHER_PREFIX)}
+    return watcher_problem(names, memo.config.namespaces, memo.watchers)

@@ -8,8 +8,7 @@
 - A deletion handler (kopf's finalizer) unloads the adapter from every pod within a bounded
   time; it never fails, so a LoRAAdapter never stays in Terminating, even when its
   DynamoWorker was deleted first. Nothing is loaded before kopf has added that finalizer
-  (the daemon waits for it): a LoRAAdapter deleted before then would leave its adapter
-  served on every pod it was loaded onto.
+  (`resync_loop` waits for it).
 
 What a reconcile reads comes from the indices (`indices.Indices`), never from the API server.
 """
@@ -25,15 +24,12 @@ from pydantic import ValidationError
 
 from dynamo_operator.handlers.context import DYNAMO_WORKER, LORA_ADAPTER, OperatorContext
 from dynamo_operator.handlers.indices import DW, LORA, WORKER_PODS, Indices, namespace_of
-from dynamo_operator.handlers.lifecycle import FINALIZER
 from dynamo_operator.handlers.resync import resync_loop
 from dynamo_operator.reconcile.dynamoworker.labels import WORKER_LABEL
 from dynamo_operator.reconcile.errors import TransientError
 from dynamo_operator.reconcile.loraadapter import wake
 
 RETRY_DELAY_SECONDS = 5.0
-# How often the daemon looks again for kopf's finalizer (in the live body: no request).
-FINALIZER_WAIT_SECONDS = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +79,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         async def reconcile(full: bool) -> float | None:
-            if FINALIZER not in (body.metadata.get("finalizers") or ()):
-                return FINALIZER_WAIT_SECONDS  # kopf adds it at once unless the API fails
             return await reconcile_adapter(body, memo, Indices.of(kwargs))
 
         key = (LORA_ADAPTER, namespace_of(namespace), name)
-        await resync_loop(memo, key, stopped, reconcile)
+        await resync_loop(memo, key, body, stopped, reconcile)
 
     @kopf.on.event(*LORA, id="lora_changed", registry=registry)
     async def lora_changed(

@@ -20,10 +20,13 @@ from collections.abc import Awaitable, Callable
 import kopf
 
 from dynamo_operator.handlers.context import OperatorContext
+from dynamo_operator.handlers.lifecycle import FINALIZER
 
 DEBOUNCE_SECONDS = 0.2
 # The shortest wait for a reconcile that asks to run again at once.
 MIN_WAIT_SECONDS = 0.05
+# How often a daemon looks again for kopf's finalizer (in the live body: no request).
+FINALIZER_WAIT_SECONDS = 1.0
 
 # One reconcile: `full` is False for a pass a trigger asked for between resyncs; returns the
 # seconds until it wants to run again (None: at the next resync).
@@ -33,10 +36,18 @@ Reconcile = Callable[[bool], Awaitable[float | None]]
 async def resync_loop(
     memo: OperatorContext,
     key: tuple[str, str, str],
+    body: kopf.Body,
     stopped: kopf.DaemonStopped,
     reconcile: Reconcile,
 ) -> None:
-    """Run `reconcile` for the object `key` (kind, namespace, name) until `stopped`."""
+    """Run `reconcile` for the object `key` (kind, namespace, name), whose live body is `body`,
+    until `stopped`."""
+
+    async def reconcile_finalized(full: bool) -> float | None:
+        if FINALIZER not in (body.metadata.get("finalizers") or ()):
+            return FINALIZER_WAIT_SECONDS  # kopf adds it at once unless the API fails
+        return await reconcile(full)
+
     kind = key[0]
     trigger = memo.trigger(*key)
     memo.metrics.managed_objects.labels(kind=kind).inc()
@@ -45,7 +56,7 @@ async def resync_loop(
         last_full = time.monotonic()
         async with memo.reconcile_slots:
             trigger.clear()
-            wake = await reconcile(True)
+            wake = await reconcile_finalized(True)
         while not stopped:
             wait = last_full + resync - time.monotonic()
             if wake is not None:
@@ -60,7 +71,7 @@ async def resync_loop(
                 full = not triggered or time.monotonic() - last_full >= resync
                 if full:
                     last_full = time.monotonic()
-                wake = await reconcile(full)
+                wake = await reconcile_finalized(full)
     finally:
         memo.metrics.managed_objects.labels(kind=kind).dec()
         memo.metrics.forget_object(*key)

@@ -26,10 +26,10 @@ import asyncio
 import logging
 import os
 from abc import abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import blake3
 
@@ -40,6 +40,7 @@ from dynamo.common.rl import (
     require_lora_load_request,
     require_lora_unload_request,
 )
+from dynamo.runtime.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -324,3 +325,91 @@ class LoRAHostEngine(LLMEngine):
         if update in LORA_UPDATES:
             return await self.lora_host.handle(update, body)
         return await super().engine_update(update, body)
+
+
+@dataclass(eq=False)
+class AdapterVersion:
+    """One version of an adapter inside an engine, and how many requests still use it.
+    Engines subclass it with what their weights need (PEFT's name, vLLM's id)."""
+
+    name: str
+    users: int = field(default=0, kw_only=True)
+    retired: bool = field(default=False, kw_only=True)
+
+
+Version = TypeVar("Version", bound=AdapterVersion)
+
+
+class AdapterVersions(Generic[Version]):
+    """The version each adapter name serves now, and the retirement of the others.
+
+    A request keeps the version it started with (`acquire` / `release`): loading a new
+    version under a name (`install`) or unloading the name (`unload`) retires the old one,
+    which leaves the engine (`free`) at once when no request uses it, else when the last
+    of them ends.
+    """
+
+    def __init__(self, free: Callable[[Version], Awaitable[None]]) -> None:
+        self._free = free
+        self._current: dict[str, Version] = {}
+        # Frees started from synchronous code, referenced until done.
+        self._background: set[asyncio.Future[None]] = set()
+
+    def names(self) -> list[str]:
+        """The names requests may select now."""
+        return sorted(self._current)
+
+    def get(self, name: str) -> Version | None:
+        """The version `name` serves now."""
+        return self._current.get(name)
+
+    def for_model(
+        self, model: str | None, base_names: Collection[str], served: str
+    ) -> Version | None:
+        """The version a request's `model` selects (None: the base model, one of
+        `base_names`); a 404 `RequestError` for any other name."""
+        if not model or model in base_names:
+            return None
+        version = self._current.get(model)
+        if version is None:
+            raise RequestError(
+                f"model {model!r} is neither the served model {served!r} nor a loaded LoRA "
+                f"adapter (loaded: {self.names()})",
+                status=404,
+                param="model",
+            )
+        return version
+
+    async def install(self, version: Version) -> None:
+        """Serve `version` under its name; the version it replaces is retired."""
+        previous = self._current.get(version.name)
+        self._current[version.name] = version
+        if previous is not None:
+            await self._retire(previous)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name`; requests running on it keep their version."""
+        version = self._current.pop(name, None)
+        if version is not None:
+            await self._retire(version)
+
+    async def _retire(self, version: Version) -> None:
+        version.retired = True
+        if version.users == 0:
+            await self._free(version)
+
+    @staticmethod
+    def acquire(version: Version | None) -> None:
+        """A request starts on `version` (None: the base model)."""
+        if version is not None:
+            version.users += 1
+
+    def release(self, version: Version | None) -> None:
+        """A request on `version` ended; the last one on a retired version frees it."""
+        if version is None:
+            return
+        version.users -= 1
+        if version.retired and version.users == 0:
+            task = asyncio.ensure_future(self._free(version))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)

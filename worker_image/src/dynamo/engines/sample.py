@@ -36,30 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamo.common.backend import (
-    ComponentSnapshot,
-    EngineConfig,
-    GenerateChunk,
-    GenerateRequest,
-    LlmRegistration,
-    WorkerConfig,
-)
-from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
-from dynamo.common.backend.health_check import build_health_check_payload
+from dynamo.common import backend
 from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.forward_pass_metrics import WelfordAccumulator
 from dynamo.common.lora import LoRAManager
+from dynamo.engines import worker_args
 from dynamo.engines.fpm import ForwardPassEmitter, ForwardPassMetricsSink
 from dynamo.engines.lora_host import LoRAHostEngine
 from dynamo.engines.sample_kv import PrefixCache
-from dynamo.engines.sample_tokenizer import BOS_ID, BYTE_OFFSET, SampleTokenizer
-from dynamo.engines.worker_args import (
-    DEFAULT_MAX_LORAS,
-    add_worker_args,
-    check_minimums,
-    settings_from,
-    worker_config,
-)
+from dynamo.engines.sample_tokenizer import BYTE_OFFSET, SampleTokenizer
+from dynamo.runtime.errors import RequestError
 
 TOKEN_DELAY_ENV = "DYN_SAMPLE_TOKEN_DELAY"
 _ALPHABET = [BYTE_OFFSET + byte for byte in b"abcdefghijklmnopqrstuvwxyz     "]
@@ -79,7 +65,7 @@ class SampleEngineArgs:
     max_num_seqs: int = 256
     data_parallel_size: int = 1
     data_parallel_start_rank: int = 0
-    max_loras: int = DEFAULT_MAX_LORAS
+    max_loras: int = worker_args.DEFAULT_MAX_LORAS
     # Seconds `start` takes, to stand in for loading a model.
     startup_delay: float = 0.0
 
@@ -90,11 +76,8 @@ class SampleEngineArgs:
             "kv_block_size": 1,
             "total_kv_blocks": 1,
             "max_num_seqs": 1,
-            "data_parallel_size": 1,
-            "data_parallel_start_rank": 0,
-            "max_loras": 0,
         }
-        check_minimums(self, minimums)
+        worker_args.check_minimums(self, minimums)
         for name in ("token_delay", "startup_delay"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -109,7 +92,7 @@ class _Sequence:
     prompt_tokens: int
     max_tokens: int
     dp_rank: int
-    queue: asyncio.Queue[GenerateChunk] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[backend.GenerateChunk] = field(default_factory=asyncio.Queue)
     generated: int = 0
     done: bool = False
 
@@ -158,14 +141,16 @@ class SampleEngine(LoRAHostEngine):
     # ----- lifecycle -------------------------------------------------------------------
 
     @classmethod
-    async def from_args(cls, argv: list[str] | None = None) -> tuple[SampleEngine, WorkerConfig]:
+    async def from_args(
+        cls, argv: list[str] | None = None
+    ) -> tuple[SampleEngine, backend.WorkerConfig]:
         """Parse the flags (`--help` lists them) into an engine and its WorkerConfig."""
         parser = build_arg_parser()
         ns = parser.parse_args(argv)
-        args = settings_from(parser, ns, SampleEngineArgs)
-        return cls(args), worker_config(ns)
+        args, config = worker_args.engine_settings(parser, ns, SampleEngineArgs)
+        return cls(args), config
 
-    async def start(self, worker_id: int) -> EngineConfig:
+    async def start(self, worker_id: int) -> backend.EngineConfig:
         """Start the scheduler (after `--startup-delay`, standing in for a model load)."""
         if self.args.startup_delay:
             await asyncio.sleep(self.args.startup_delay)
@@ -176,10 +161,10 @@ class SampleEngine(LoRAHostEngine):
             self._run_scheduler(), name="sample-scheduler"
         )
         args = self.args
-        return EngineConfig(
+        return backend.EngineConfig(
             model=args.model,
             served_model_name=args.served_model_name,
-            llm=LlmRegistration(
+            llm=backend.LlmRegistration(
                 context_length=args.context_length,
                 kv_cache_block_size=args.kv_block_size,
                 total_kv_blocks=args.total_kv_blocks,
@@ -208,8 +193,8 @@ class SampleEngine(LoRAHostEngine):
     # ----- requests --------------------------------------------------------------------
 
     async def generate(
-        self, request: GenerateRequest, context: Any
-    ) -> AsyncGenerator[GenerateChunk, None]:
+        self, request: backend.GenerateRequest, context: Any
+    ) -> AsyncGenerator[backend.GenerateChunk, None]:
         """Stream synthetic tokens for one request."""
         if self._closed or self._scheduler is None:
             raise RuntimeError("the sample engine is not running (start() it first)")
@@ -253,15 +238,17 @@ class SampleEngine(LoRAHostEngine):
             return None
         if model in self.lora_host.loaded():
             return model
-        raise ValueError(
+        raise RequestError(
             f"model {model!r} is neither the served model nor a loaded LoRA adapter "
-            f"(loaded: {sorted(self.lora_host.loaded())})"
+            f"(loaded: {sorted(self.lora_host.loaded())})",
+            status=404,
+            param="model",
         )
 
-    def _rank_for(self, request: GenerateRequest) -> int:
+    def _rank_for(self, request: backend.GenerateRequest) -> int:
         args = self.args
-        rank = validate_global_dp_rank(
-            forced_dp_rank(request),
+        rank = worker_args.forced_rank(
+            request,
             args.data_parallel_start_rank,
             args.data_parallel_size,
             "sample engine",
@@ -368,7 +355,7 @@ class SampleEngine(LoRAHostEngine):
             if self._last_snapshot.get(rank) == blocks:
                 continue
             self._last_snapshot[rank] = blocks
-            snapshot = ComponentSnapshot(
+            snapshot = backend.ComponentSnapshot(
                 kv_used_blocks=blocks,
                 kv_total_blocks=total,
                 gpu_cache_usage=min(1.0, blocks / total),
@@ -409,7 +396,7 @@ class SampleEngine(LoRAHostEngine):
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         """One `<s>` token, one output token."""
-        return build_health_check_payload(BOS_ID)
+        return worker_args.canary_payload(self.tokenizer)
 
     async def _load_adapter(self, name: str, lora_id: int, path: Path) -> None:
         del lora_id
@@ -446,5 +433,5 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--startup-delay", type=float, default=0.0, help="seconds start() takes (a fake load)"
     )
-    add_worker_args(parser)
+    worker_args.add_worker_args(parser)
     return parser

@@ -53,19 +53,13 @@ from dynamo.common.backend import (
     LlmRegistration,
     WorkerConfig,
 )
-from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
-from dynamo.common.backend.health_check import bos_token_id_or, build_health_check_payload
 from dynamo.common.forward_pass_metrics import WelfordAccumulator
 from dynamo.common.lora import LoRAManager
+from dynamo.engines import worker_args
 from dynamo.engines.fpm import ForwardPassEmitter, ForwardPassMetricsSink
-from dynamo.engines.lora_host import LoRAHostEngine
-from dynamo.engines.worker_args import (
-    DEFAULT_MAX_LORAS,
-    add_worker_args,
-    check_minimums,
-    settings_from,
-    worker_config,
-)
+from dynamo.engines.lora_host import AdapterVersion, AdapterVersions, LoRAHostEngine
+from dynamo.runtime.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, not_supported
+from dynamo.runtime.request_limits import ALL_FEATURES, RESPONSE_FORMAT, RequestLimits
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 # PEFT's reserved adapter name for "no adapter" in per-call `adapter_names`.
 _PEFT_BASE = "__base__"
+_ENGINE_NAME = "the transformers engine"
 
 
 class FinishReason:
@@ -90,7 +85,7 @@ class TransformersEngineArgs:
 
     model: str
     served_model_name: str | None = None
-    max_loras: int = DEFAULT_MAX_LORAS
+    max_loras: int = worker_args.DEFAULT_MAX_LORAS
     max_num_seqs: int = 8
     kv_block_size: int = 16
     device: str = "auto"
@@ -103,12 +98,9 @@ class TransformersEngineArgs:
         minimums = {
             "max_num_seqs": 1,
             "kv_block_size": 1,
-            "max_loras": 0,
             "context_length": 2,
-            "data_parallel_size": 1,
-            "data_parallel_start_rank": 0,
         }
-        check_minimums(self, minimums)
+        worker_args.check_minimums(self, minimums)
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype (--dtype) must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -120,43 +112,69 @@ _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding settings from `sampling_options` (temperature 0 means greedy).
+    """Decoding settings from `sampling_options` (temperature 0 means greedy), checked
+    against the ranges every engine publishes (`SAMPLING_RANGES`): the engine's own last
+    check, a `RequestError` (400) naming the field.
 
-    Other sampling options (penalties, min_p, ...) are not applied; `n` > 1 and beam
-    search are refused rather than silently answered with one greedy choice.
+    `n` > 1 and beam search are refused rather than silently answered with one choice;
+    `guided_decoding` (structured output) is kept for the engines that honour it.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    guided_decoding: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @property
     def greedy(self) -> bool:
         """Whether the most likely token is always taken."""
         return self.temperature < 1e-5 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SamplingParams:
         """Parse and check `sampling_options`; None values mean the defaults."""
-        temperature = _number(options, "temperature", 1.0)
-        top_p = _number(options, "top_p", 1.0)
-        top_k = int(_number(options, "top_k", 0))
-        seed = options.get("seed")
-        if (options.get("n") or 1) != 1 or (options.get("best_of") or 1) != 1:
-            raise ValueError("sampling_options.n and best_of must be 1: one choice per request")
-        if options.get("use_beam_search"):
-            raise ValueError("sampling_options.use_beam_search is not supported by this engine")
-        if temperature < 0:
-            raise ValueError(f"sampling_options.temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"sampling_options.top_p must be in (0, 1], got {top_p}")
-        if top_k < -1:
-            raise ValueError(f"sampling_options.top_k must be -1, 0 or positive, got {top_k}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"sampling_options.seed must be an integer, got {seed!r}")
-        # -1 and 0 both mean "no top-k", as in vLLM and OpenAI-style APIs.
-        return cls(temperature, top_p, max(top_k, 0), seed)
+        limits = RequestLimits(features=ALL_FEATURES)
+        limits.check_request({"token_ids": [0], "sampling_options": options})
+        values = {
+            key: float(_number(options, key, default))
+            for key, default in (
+                ("temperature", 1.0),
+                ("top_p", 1.0),
+                ("min_p", 0.0),
+                ("presence_penalty", 0.0),
+                ("frequency_penalty", 0.0),
+                ("repetition_penalty", 1.0),
+            )
+        }
+        bias = options.get("logit_bias") or {}
+        guided = options.get("guided_decoding")
+        if guided is not None and not isinstance(guided, dict):
+            raise RequestError("'guided_decoding' must be an object", param="response_format")
+        return cls(
+            # -1 and 0 both mean "no top-k", as in vLLM and OpenAI-style APIs.
+            top_k=max(int(_number(options, "top_k", 0)), 0),
+            seed=options.get("seed"),
+            logit_bias=tuple(sorted((int(token), float(b)) for token, b in bias.items())),
+            guided_decoding=guided,
+            **values,
+        )
 
 
 @dataclass(frozen=True)
@@ -178,17 +196,17 @@ class StopParams:
         max_tokens = conditions.get("max_tokens")
         max_tokens = default_max_tokens if max_tokens is None else _int(conditions, "max_tokens")
         if max_tokens < 1:
-            raise ValueError(f"stop_conditions.max_tokens must be >= 1, got {max_tokens}")
+            raise RequestError(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
         min_tokens = 0 if conditions.get("min_tokens") is None else _int(conditions, "min_tokens")
         if min_tokens < 0:
-            raise ValueError(f"stop_conditions.min_tokens must be >= 0, got {min_tokens}")
+            raise RequestError(f"'min_tokens' must be >= 0, got {min_tokens}", param="min_tokens")
         stop_ids: set[int] = set()
         for key in ("stop_token_ids", "stop_token_ids_hidden"):
             values = conditions.get(key) or []
             if not isinstance(values, list) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in values
             ):
-                raise ValueError(f"stop_conditions.{key} must be a list of token ids")
+                raise RequestError(f"'{key}' must be a list of token ids", param=key)
             stop_ids.update(values)
         return cls(
             max_tokens=max_tokens,
@@ -203,26 +221,23 @@ def _number(options: dict[str, Any], key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"sampling_options.{key} must be a number, got {value!r}")
+        raise RequestError(f"'{key}' must be a number, got {value!r}", param=key)
     return float(value)
 
 
 def _int(conditions: dict[str, Any], key: str) -> int:
     value = conditions[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"stop_conditions.{key} must be an integer, got {value!r}")
+        raise RequestError(f"'{key}' must be an integer, got {value!r}", param=key)
     return value
 
 
-@dataclass
-class _Adapter:
-    """One adapter version inside the `PeftModel`, and how many requests still use it."""
+@dataclass(eq=False)
+class _Adapter(AdapterVersion):
+    """One adapter version inside the `PeftModel`."""
 
-    name: str
     lora_id: int
     peft_name: str
-    users: int = 0
-    retired: bool = False
 
 
 @dataclass
@@ -236,7 +251,8 @@ class _Sequence:
     rank: _Rank
     context: Any
     generator: torch.Generator
-    want_logprobs: bool
+    # Alternatives per token to return with log probabilities (None: no log probabilities).
+    logprobs: int | None
     output: list[int] = field(default_factory=list)
     cache: Any = None  # the request's DynamicCache once prefilled
     finished: bool = False
@@ -283,6 +299,7 @@ class _StepResult:
 
     token: int | None = None
     logprob: float | None = None
+    top_logprobs: list[dict[str, Any]] | None = None
     error: BaseException | None = None
     prefill: bool = False
 
@@ -334,7 +351,7 @@ class TransformersEngine(LoRAHostEngine):
         self._context_length = 0
         self._total_blocks = 0
         self._served_names: set[str] = set()
-        self._adapters: dict[str, _Adapter] = {}
+        self._adapters = AdapterVersions[_Adapter](self._delete_adapter)
         self._adapter_counter = 0
         self._by_context: dict[int, _Sequence] = {}
         # Held by each iteration's forwards and by adapter loads: PEFT's modules change
@@ -360,8 +377,8 @@ class TransformersEngine(LoRAHostEngine):
                 f"--model {ns.model}: no config.json there; pass a local Hugging Face "
                 "checkpoint directory"
             )
-        args = settings_from(parser, ns, TransformersEngineArgs)
-        return cls(args), worker_config(ns)
+        args, config = worker_args.engine_settings(parser, ns, TransformersEngineArgs)
+        return cls(args), config
 
     async def start(self, worker_id: int) -> EngineConfig:
         """Load the tokenizer and weights, start the scheduler, return the registration."""
@@ -480,28 +497,37 @@ class TransformersEngine(LoRAHostEngine):
 
         prompt = request.get("token_ids")
         if not isinstance(prompt, list) or not prompt:
-            raise ValueError("token_ids must be a non-empty list of token ids")
+            raise RequestError("token_ids must be a non-empty list of token ids", param="prompt")
         if not all(isinstance(t, int) and 0 <= t < self._vocab_size for t in prompt):
-            raise ValueError(f"token_ids must be integers in [0, {self._vocab_size})")
-        if len(prompt) >= self._context_length:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; the context length is "
-                f"{self._context_length}, so at most {self._context_length - 1} fit"
+            raise RequestError(
+                f"token_ids must be integers in [0, {self._vocab_size})", param="prompt"
             )
+        if len(prompt) >= self._context_length:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; the context length is "
+                f"{self._context_length}, so at most {self._context_length - 1} fit",
+                param="prompt",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        # The engine's own last check, the same the request planes make first.
+        self.request_limits().check_request(request)
         sampling = SamplingParams.from_options(request.get("sampling_options") or {})
+        if sampling.guided_decoding is not None:
+            raise not_supported(RESPONSE_FORMAT, _ENGINE_NAME)
         stop = StopParams.from_conditions(
             request.get("stop_conditions") or {}, self._context_length - len(prompt)
         )
         output_options = request.get("output_options") or {}
-        adapter = self._adapter_for(request.get("model"))
+        logprobs = output_options.get("logprobs")
+        served = self.args.served_model_name or self.args.model
+        adapter = self._adapters.for_model(request.get("model"), self._served_names, served)
         rank = self._rank_for(request)
         generator = torch.Generator(device=self._device)
         if sampling.seed is None:
             generator.seed()
         else:
             generator.manual_seed(sampling.seed)
-        if adapter is not None:
-            adapter.users += 1
+        self._adapters.acquire(adapter)
         return _Sequence(
             prompt=list(prompt),
             sampling=sampling,
@@ -510,28 +536,27 @@ class TransformersEngine(LoRAHostEngine):
             rank=rank,
             context=context,
             generator=generator,
-            want_logprobs=output_options.get("logprobs") is not None,
+            logprobs=None if logprobs is None or logprobs is False else int(logprobs),
+        )
+
+    def request_limits(self) -> RequestLimits:
+        """What this engine accepts (the request planes check requests against it): its
+        context length and vocabulary, vLLM's sampling ranges, every optional field but
+        structured output (`response_format`), which needs a grammar engine."""
+        return RequestLimits(
+            context_length=self._context_length or None,
+            vocab_size=self._vocab_size or None,
+            features=ALL_FEATURES - {RESPONSE_FORMAT},
+            engine=_ENGINE_NAME,
         )
 
     def _rank_for(self, request: GenerateRequest) -> _Rank:
         """The router's forced rank when it is ours, else the least-loaded rank."""
         first, size = self.args.data_parallel_start_rank, self.args.data_parallel_size
-        forced = validate_global_dp_rank(forced_dp_rank(request), first, size, "transformers")
+        forced = worker_args.forced_rank(request, first, size, "transformers")
         if forced is not None:
             return self._ranks[forced - first]
         return min(self._ranks, key=_Rank.load)
-
-    def _adapter_for(self, model: str | None) -> _Adapter | None:
-        if not model or model in self._served_names:
-            return None
-        adapter = self._adapters.get(model)
-        if adapter is None:
-            raise ValueError(
-                f"model {model!r} is neither the served model "
-                f"{self.args.served_model_name or self.args.model!r} nor a loaded LoRA adapter "
-                f"(loaded: {sorted(self._adapters)})"
-            )
-        return adapter
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         """End `seq`: send its terminal chunk, drop it from the queues, release its adapter."""
@@ -557,13 +582,8 @@ class TransformersEngine(LoRAHostEngine):
             seq.rank.waiting.remove(seq)
         with contextlib.suppress(ValueError):
             seq.rank.running.remove(seq)
-        adapter = seq.adapter
-        seq.adapter = None
-        if adapter is not None:
-            adapter.users -= 1
-            if adapter.retired and adapter.users == 0:
-                # Freed outside the caller: deleting takes the model lock.
-                self._keep(asyncio.ensure_future(self._delete_adapter(adapter)))
+        adapter, seq.adapter = seq.adapter, None
+        self._adapters.release(adapter)
 
     def _keep(self, task: asyncio.Future[Any]) -> None:
         self._background.add(task)
@@ -651,13 +671,15 @@ class TransformersEngine(LoRAHostEngine):
         else:
             model = self._base
         logits = model(**kwargs).logits[0, -1].float()
-        token, logprob = self._sample(seq, logits)
-        return _StepResult(token=token, logprob=logprob, prefill=prefill)
+        return self._sample(seq, logits, prefill)
 
-    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> tuple[int, float | None]:
+    def _sample(self, seq: _Sequence, raw_logits: torch.Tensor, prefill: bool) -> _StepResult:
         import torch
 
+        logits = raw_logits
         stop = seq.stop
+        if seq.sampling.penalized:
+            logits = apply_penalties(logits, seq.sampling, seq.prompt, seq.output)
         if len(seq.output) < stop.min_tokens:
             # Below min_tokens no stop token may be produced (vLLM's behaviour).
             banned = set(stop.stop_token_ids)
@@ -668,10 +690,18 @@ class TransformersEngine(LoRAHostEngine):
                 logits = logits.clone()
                 logits[banned_ids] = -math.inf
         token = sample_token(logits, seq.sampling, seq.generator)
-        logprob = None
-        if seq.want_logprobs:
-            logprob = float(torch.log_softmax(logits, dim=-1)[token])
-        return token, logprob
+        result = _StepResult(token=token, prefill=prefill)
+        if seq.logprobs is not None:
+            # The model's own distribution (vLLM's default, raw log probabilities).
+            logprobs = torch.log_softmax(raw_logits, dim=-1)
+            result.logprob = float(logprobs[token])
+            if seq.logprobs:
+                values, ids = torch.topk(logprobs, min(seq.logprobs, logprobs.shape[-1]))
+                result.top_logprobs = [
+                    {"token_id": int(tid), "logprob": float(value), "rank": rank}
+                    for rank, (value, tid) in enumerate(zip(values, ids, strict=True), start=1)
+                ]
+        return result
 
     def _apply(self, seq: _Sequence, result: _StepResult) -> None:
         """Record one step's token and decide whether the sequence is done."""
@@ -686,6 +716,8 @@ class TransformersEngine(LoRAHostEngine):
         chunk: GenerateChunk = {"token_ids": [token], "index": 0}
         if result.logprob is not None:
             chunk["log_probs"] = [result.logprob]
+        if result.top_logprobs is not None:
+            chunk["top_logprobs"] = [result.top_logprobs]
         reason = self._finish_reason(seq, token)
         if reason is None:
             seq.queue.put_nowait(chunk)
@@ -795,13 +827,13 @@ class TransformersEngine(LoRAHostEngine):
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         """One greedy token from the BOS token."""
-        return build_health_check_payload(bos_token_id_or(self.tokenizer))
+        return worker_args.canary_payload(self.tokenizer)
 
     # ----- LoRA --------------------------------------------------------------------------
 
     def adapter_names(self) -> list[str]:
         """Names of the adapters requests may select now."""
-        return sorted(self._adapters)
+        return self._adapters.names()
 
     def resident_adapter_versions(self) -> int:
         """Adapter versions in memory: the loaded ones plus unloaded or replaced ones that
@@ -816,21 +848,11 @@ class TransformersEngine(LoRAHostEngine):
         adapter = _Adapter(name=name, lora_id=lora_id, peft_name=f"lora{self._adapter_counter}")
         async with self._model_lock:
             await asyncio.to_thread(self._add_to_peft, adapter.peft_name, path)
-        previous = self._adapters.get(name)
-        self._adapters[name] = adapter
-        if previous is not None:
-            await self._retire(previous)
+        await self._adapters.install(adapter)
 
     async def _unload_adapter(self, name: str, lora_id: int) -> None:
         """Host callback: stop serving `name`; running requests keep their version."""
-        adapter = self._adapters.pop(name, None)
-        if adapter is not None:
-            await self._retire(adapter)
-
-    async def _retire(self, adapter: _Adapter) -> None:
-        adapter.retired = True
-        if adapter.users == 0:
-            await self._delete_adapter(adapter)
+        await self._adapters.unload(name)
 
     async def _delete_adapter(self, adapter: _Adapter) -> None:
         async with self._model_lock:
@@ -864,13 +886,43 @@ class TransformersEngine(LoRAHostEngine):
             self._peft.delete_adapter(peft_name)
 
 
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """`logits` with vLLM's penalties and the logit bias applied: presence and frequency
+    penalties over the generated tokens, the repetition penalty over prompt and output
+    (positive logits divided, negative multiplied), then each bias added."""
+    import torch
+
+    logits = logits.clone()
+    size = logits.shape[-1]
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=size)
+        counts = counts[:size].to(logits.dtype)
+        logits -= params.frequency_penalty * counts
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=logits.device)
+        values = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    for token, bias in params.logit_bias:
+        if 0 <= token < size:
+            logits[token] += bias
+    return logits
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token from 1-D `logits` (greedy, or temperature/top-k/top-p sampling)."""
+    """Pick the next token from 1-D `logits` (greedy, or temperature/top-k/top-p/min-p
+    sampling)."""
     import torch
 
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -938,5 +990,5 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="weights dtype (auto: float32 on CPU, bfloat16 or float16 on CUDA)",
     )
     # Each data-parallel rank has its own scheduler, queue and KV budget over the one model.
-    add_worker_args(parser)
+    worker_args.add_worker_args(parser)
     return parser

@@ -1,4 +1,5 @@
-"""The flags every engine shares, and the `WorkerConfig` an engine's `from_args` returns.
+"""The flags every engine shares, the `WorkerConfig` an engine's `from_args` returns, and
+what the shared flags mean for a request (its forced data-parallel rank) and for the canary.
 
 `dynamo-worker` passes an engine `--model`, `--served-model-name`, `--max-loras` and the
 data-parallel flags when they are given; every engine also takes `--namespace`,
@@ -14,6 +15,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
+from dynamo.common.backend.engine import GenerateRequest
+from dynamo.common.backend.health_check import bos_token_id_or, build_health_check_payload
 from dynamo.common.backend.worker_config import WorkerConfig
 from dynamo.common.utils.namespace import get_worker_namespace
 from dynamo.runtime.settings import request_plane_from_env
@@ -68,10 +72,20 @@ def worker_config(ns: argparse.Namespace) -> WorkerConfig:
     )
 
 
-def check_minimums(settings: object, minimums: Mapping[str, int]) -> None:
-    """ValueError naming the field and its flag for the first setting below its minimum
-    (None means unset and passes)."""
-    for name, minimum in minimums.items():
+# The shared flags' minimums, which every engine's settings are checked against too.
+SHARED_MINIMUMS: Mapping[str, int] = {
+    "max_loras": 0,
+    "data_parallel_size": 1,
+    "data_parallel_start_rank": 0,
+}
+
+
+def check_minimums(settings: object, minimums: Mapping[str, int] | None = None) -> None:
+    """ValueError naming the field and its flag for the first setting below its minimum:
+    the engine's `minimums`, then the shared flags' the settings have (None means unset
+    and passes)."""
+    shared = {name: low for name, low in SHARED_MINIMUMS.items() if hasattr(settings, name)}
+    for name, minimum in {**(minimums or {}), **shared}.items():
         value = getattr(settings, name)
         if value is not None and value < minimum:
             flag = "--" + name.replace("_", "-")
@@ -91,3 +105,22 @@ def settings_from(
         return settings_cls(**values)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def engine_settings(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, settings_cls: type[Settings]
+) -> tuple[Settings, WorkerConfig]:
+    """`settings_from` and `worker_config` of the same parsed flags."""
+    return settings_from(parser, ns, settings_cls), worker_config(ns)
+
+
+def forced_rank(request: GenerateRequest, first: int, size: int, engine: str) -> int | None:
+    """The global data-parallel rank the router forced (`routing.dp_rank`), checked against
+    this engine's ranks `[first, first + size)`; None when it forced none."""
+    return validate_global_dp_rank(forced_dp_rank(request), first, size, engine)
+
+
+def canary_payload(tokenizer: Any) -> dict[str, Any]:
+    """The health-check request every engine here answers: one greedy token from the
+    tokenizer's BOS token."""
+    return build_health_check_payload(bos_token_id_or(tokenizer))

@@ -364,7 +364,8 @@ def engine_argv(args: argparse.Namespace, model: str | None, extras: Sequence[st
 
 
 async def resolve_model(model: str | None) -> str | None:
-    """A local path for `--model`: `file://` is stripped, `hf://org/repo` is fetched."""
+    """A local path for `--model`: `file://` is stripped, `hf://org/repo` and
+    `s3://bucket/prefix` are fetched."""
     if model is None or "://" not in model:
         return _readable(model)
     scheme, _, rest = model.partition("://")
@@ -374,8 +375,12 @@ async def resolve_model(model: str | None) -> str | None:
         from dynamo.common.model_fetch import fetch_model
 
         return await fetch_model(rest)
+    if scheme == "s3":
+        from dynamo.runtime.s3_model import fetch_s3_model
+
+        return await fetch_s3_model(model)
     raise ValueError(
-        f"--model {model}: unsupported scheme {scheme!r}; use a path, file:// or hf://"
+        f"--model {model}: unsupported scheme {scheme!r}; use a path, file://, hf:// or s3://"
     )
 
 

@@ -52,6 +52,7 @@ from dynamo.runtime.metrics import EngineMetrics, LifecycleGauges, RuntimeMetric
 from dynamo.runtime.models import ServedModels
 from dynamo.runtime.registration import advertise
 from dynamo.runtime.registration.registrar import Registration
+from dynamo.runtime.request_limits import limits_of
 from dynamo.runtime.serving import Serving
 from dynamo.runtime.settings import RuntimeSettings
 from dynamo.runtime.shutdown import Closer, ShutdownOrchestrator
@@ -327,6 +328,9 @@ class WorkerRuntime:
             metrics=self.metrics,
             tracker=self.tracker,
             budget=budget_from_runtime_data(runtime_data),
+            limits=limits_of(
+                self.engine, engine_config.llm.context_length if engine_config.llm else None
+            ),
             on_success=self.canary.record_success if self.canary else None,
         )
         self.request_plane = RequestPlane(serving)

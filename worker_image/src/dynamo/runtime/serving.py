@@ -26,6 +26,7 @@ from dynamo.runtime.generation import EngineStreamer, StreamIncomplete
 from dynamo.runtime.inflight import InflightRequest, InflightTracker
 from dynamo.runtime.metrics import RuntimeMetrics
 from dynamo.runtime.models import ServedModels
+from dynamo.runtime.request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class Serving:
     metrics: RuntimeMetrics
     tracker: InflightTracker
     budget: TokenBudget | None = None
+    # What the engine publishes it accepts: every request is checked against it first.
+    limits: RequestLimits = field(default_factory=RequestLimits)
     # Called after each request that produced output without error (the canary uses it to
     # know the engine works).
     on_success: Callable[[], None] | None = None
@@ -110,7 +113,8 @@ class Serving:
         requested_model: object,
     ) -> dict[str, Any]:
         """A `GenerateRequest` as the engine gets it: `model` resolved to the base model or
-        a loaded adapter, `stop_conditions.max_tokens` capped by the token budget."""
+        a loaded adapter, `stop_conditions.max_tokens` capped by the token budget, checked
+        against the engine's published limits (a 400 `RequestError` naming the field)."""
         engine_request = dict(request)
         engine_request["model"] = self.resolve_model(record, requested_model) or self.models.base
         conditions = request.get("stop_conditions")
@@ -119,6 +123,7 @@ class Serving:
         if max_tokens is not None and max_tokens != conditions.get("max_tokens"):
             conditions["max_tokens"] = max_tokens
             engine_request["stop_conditions"] = conditions
+        self.limits.check_request(engine_request, prompt_param="token_ids")
         return engine_request
 
     def engine_failed(self, exc: Exception, record: InflightRequest) -> None:

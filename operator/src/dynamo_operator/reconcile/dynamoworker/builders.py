@@ -78,7 +78,11 @@ def _worker_env(dw: DynamoWorker) -> list[Manifest]:
             (Env.TOKEN_BUDGET_REJECT_PROMPT, _bool(budget.reject_prompt_overflow)),
             (Env.TOKEN_BUDGET_REJECT_TOTAL, _bool(budget.reject_total_overflow)),
         ]
-    plain += [(Env.HOME, wi.TMP_PATH), (Env.HF_HOME, wi.HF_HOME_PATH)]
+    plain += [
+        (Env.HOME, wi.TMP_PATH),
+        (Env.HF_HOME, wi.HF_HOME_PATH),
+        (Env.MODEL_CACHE, wi.MODEL_CACHE_PATH),
+    ]
     env: list[Manifest] = [{"name": str(name), "value": value} for name, value in plain]
     env += m.downward_env()
     env += _credential_env(spec)

@@ -37,6 +37,7 @@ HTTP_PORT_NAME = "http"
 TMP_PATH = "/tmp"  # an emptyDir of the pod's own
 CACHE_PATH = "/var/cache/dynamo"
 HF_HOME_PATH = f"{CACHE_PATH}/huggingface"
+MODEL_CACHE_PATH = f"{CACHE_PATH}/models"  # s3:// model sources (the worker's DYN_MODEL_CACHE)
 LORA_PATH = "/var/lib/dynamo/loras"
 SHM_PATH = "/dev/shm"
 
@@ -92,6 +93,7 @@ class Env(StrEnum):
     POD_IP = "POD_IP"
     HOME = "HOME"
     HF_HOME = "HF_HOME"
+    MODEL_CACHE = "DYN_MODEL_CACHE"
     AWS_ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
     AWS_SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
     AWS_SESSION_TOKEN = "AWS_SESSION_TOKEN"

@@ -47,23 +47,17 @@ from dynamo.common.backend import (
     PushSource,
     WorkerConfig,
 )
-from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
-from dynamo.common.backend.health_check import bos_token_id_or, build_health_check_payload
 from dynamo.common.lora import LoRAManager
 from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
 from dynamo.common.utils.env import env_bool
+from dynamo.engines import worker_args
 from dynamo.engines.fpm import ForwardPassEmitter, ForwardPassMetricsSink
-from dynamo.engines.lora_host import LoRAHostEngine
+from dynamo.engines.lora_host import AdapterVersion, AdapterVersions, LoRAHostEngine
 from dynamo.engines.vllm.kv_bridge import KvEventBridge
 from dynamo.engines.vllm.sampling import sampling_kwargs
 from dynamo.engines.vllm.stats import RankStats
-from dynamo.engines.worker_args import (
-    DEFAULT_MAX_LORAS,
-    add_worker_args,
-    check_minimums,
-    settings_from,
-    worker_config,
-)
+from dynamo.runtime.errors import RequestError
+from dynamo.runtime.request_limits import ALL_FEATURES, DEFAULT_MAX_LOGPROBS, RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -78,26 +72,22 @@ class VllmEngineSettings:
 
     model: str
     served_model_name: str | None = None
-    max_loras: int = DEFAULT_MAX_LORAS
+    max_loras: int = worker_args.DEFAULT_MAX_LORAS
     data_parallel_size: int = 1
     data_parallel_start_rank: int = 0
     enable_lora: bool = False
 
     def __post_init__(self) -> None:
-        minimums = {"max_loras": 0, "data_parallel_size": 1, "data_parallel_start_rank": 0}
-        check_minimums(self, minimums)
+        worker_args.check_minimums(self)
 
 
-@dataclass
-class _Adapter:
-    """One adapter version inside vLLM, and how many requests still use it."""
+@dataclass(eq=False)
+class _Adapter(AdapterVersion):
+    """One adapter version inside vLLM."""
 
-    name: str
     vllm_id: int
     vllm_name: str
     path: Path
-    users: int = 0
-    retired: bool = False
 
     def request(self) -> Any:
         from vllm.lora.request import LoRARequest
@@ -149,11 +139,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         conflict_handler="resolve",
     )
     AsyncEngineArgs.add_cli_args(parser)
-    add_worker_args(parser)
+    worker_args.add_worker_args(parser)
     # A vLLM flag that keeps another spelling (an alias ours does not take over) keeps its
     # action, and with it its own default for the shared name: ours must be every default.
     shared = argparse.ArgumentParser(add_help=False)
-    add_worker_args(shared)
+    worker_args.add_worker_args(shared)
     parser.set_defaults(**vars(shared.parse_args([])))
     return parser
 
@@ -199,7 +189,7 @@ class VllmEngine(LoRAHostEngine):
         self._background: set[asyncio.Future[Any]] = set()
         self._bridges: list[KvEventBridge] = []
         self._kv_dir: tempfile.TemporaryDirectory[str] | None = None
-        self._adapters: dict[str, _Adapter] = {}
+        self._adapters = AdapterVersions[_Adapter](self._remove_from_vllm)
         self._by_vllm_name: dict[str, str] = {}
         self._next_vllm_id = 0
         self._requests: dict[int, _Request] = {}
@@ -219,8 +209,8 @@ class VllmEngine(LoRAHostEngine):
         parser = build_arg_parser()
         ns = parser.parse_args(argv)
         ns.enable_lora = bool(ns.enable_lora) or env_bool("DYN_LORA_ENABLED")
-        settings = settings_from(parser, ns, VllmEngineSettings)
-        return cls(engine_args_from(ns, settings), settings), worker_config(ns)
+        settings, config = worker_args.engine_settings(parser, ns, VllmEngineSettings)
+        return cls(engine_args_from(ns, settings), settings), config
 
     async def start(self, worker_id: int) -> EngineConfig:
         """Start vLLM (its engine cores load the weights and size the KV cache), return what
@@ -350,22 +340,17 @@ class VllmEngine(LoRAHostEngine):
         if self._closed or self.llm is None:
             raise RuntimeError("VllmEngine is not started (or already cleaned up)")
         prompt = request.get("token_ids")
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("token_ids must be a non-empty list of token ids")
-        if len(prompt) >= self._context_length:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; the context length is "
-                f"{self._context_length}, so at most {self._context_length - 1} fit"
-            )
+        # The engine's own last check, the same the request planes make first.
+        self.request_limits().check_request(request)
         kwargs = sampling_kwargs(request, self._context_length - len(prompt))
-        params = SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
-        adapter = self._adapter_for(request.get("model"))
+        params = _sampling_params(SamplingParams, RequestOutputKind.DELTA, kwargs)
+        served = self.settings.served_model_name or self.settings.model
+        adapter = self._adapters.for_model(request.get("model"), self._served_names, served)
         rank = self._local_rank(request)
         state = _Request(
             request_id=f"dyn-{uuid.uuid4().hex}", prompt_tokens=len(prompt), adapter=adapter
         )
-        if adapter is not None:
-            adapter.users += 1
+        self._adapters.acquire(adapter)
         key = id(context) if context is not None else id(state)
         self._requests[key] = state
         try:
@@ -376,7 +361,7 @@ class VllmEngine(LoRAHostEngine):
                 lora_request=adapter.request() if adapter is not None else None,
                 data_parallel_rank=rank,
             )
-            async for output in stream:
+            async for output in _refusals_as_request_errors(stream):
                 chunk = self._chunk(state, output)
                 if chunk is not None:
                     yield chunk
@@ -425,44 +410,40 @@ class VllmEngine(LoRAHostEngine):
         if state is not None and not state.finished and self.llm is not None:
             await self.llm.abort(state.request_id)
 
+    def request_limits(self) -> RequestLimits:
+        """What vLLM accepts here (the request planes check requests against it): its
+        context length, vocabulary and `max_logprobs`, and every optional field, structured
+        output included."""
+        model_config = self.llm.vllm_config.model_config if self.llm is not None else None
+        return RequestLimits(
+            context_length=self._context_length or None,
+            vocab_size=int(model_config.get_vocab_size()) if model_config else None,
+            max_logprobs=int(getattr(model_config, "max_logprobs", DEFAULT_MAX_LOGPROBS)),
+            features=ALL_FEATURES,
+            engine="the vLLM engine",
+        )
+
     def _local_rank(self, request: GenerateRequest) -> int | None:
         """vLLM's engine index for the router's forced rank, None to let vLLM balance."""
         first = self.settings.data_parallel_start_rank
-        forced = validate_global_dp_rank(forced_dp_rank(request), first, self._dp_size, "vllm")
+        forced = worker_args.forced_rank(request, first, self._dp_size, "vllm")
         return None if forced is None else forced - first
 
     def _forget(self, key: int, state: _Request) -> None:
         if self._requests.get(key) is state:
             del self._requests[key]
         adapter, state.adapter = state.adapter, None
-        if adapter is not None:
-            adapter.users -= 1
-            if adapter.retired and adapter.users == 0:
-                task = asyncio.ensure_future(self._remove_from_vllm(adapter))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+        self._adapters.release(adapter)
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         """One greedy token from the BOS token."""
-        return build_health_check_payload(bos_token_id_or(self.tokenizer))
+        return worker_args.canary_payload(self.tokenizer)
 
     # ----- LoRA --------------------------------------------------------------------------
 
-    def _adapter_for(self, model: str | None) -> _Adapter | None:
-        if not model or model in self._served_names:
-            return None
-        adapter = self._adapters.get(model)
-        if adapter is None:
-            raise ValueError(
-                f"model {model!r} is neither the served model "
-                f"{self.settings.served_model_name or self.settings.model!r} nor a loaded "
-                f"LoRA adapter (loaded: {sorted(self._adapters)})"
-            )
-        return adapter
-
     def adapter_names(self) -> list[str]:
         """Names of the adapters requests may select now."""
-        return sorted(self._adapters)
+        return self._adapters.names()
 
     def served_adapter_name(self, vllm_name: str | None) -> str | None:
         """The adapter's served name for vLLM's LoRA name of one of its versions."""
@@ -496,21 +477,11 @@ class VllmEngine(LoRAHostEngine):
         if not await self.llm.add_lora(version.request()):
             raise RuntimeError(f"vLLM refused the adapter in {path}")
         self._by_vllm_name[version.vllm_name] = name
-        previous = self._adapters.get(name)
-        self._adapters[name] = version
-        if previous is not None:
-            await self._retire(previous)
+        await self._adapters.install(version)
 
     async def _unload_adapter(self, name: str, lora_id: int) -> None:
         """Host callback: stop serving `name`; running requests keep their version."""
-        adapter = self._adapters.pop(name, None)
-        if adapter is not None:
-            await self._retire(adapter)
-
-    async def _retire(self, adapter: _Adapter) -> None:
-        adapter.retired = True
-        if adapter.users == 0:
-            await self._remove_from_vllm(adapter)
+        await self._adapters.unload(name)
 
     async def _remove_from_vllm(self, adapter: _Adapter) -> None:
         """Remove one version from vLLM and check that it left (its slot is free)."""
@@ -569,6 +540,40 @@ class VllmEngine(LoRAHostEngine):
         """vLLM's own metrics (`vllm:*`, in prometheus_client's default registry) on our
         `/metrics`."""
         metrics.register_prometheus_expfmt_callback(vllm_metrics_text)
+
+
+def _sampling_params(params_class: Any, output_kind: Any, kwargs: dict[str, Any]) -> Any:
+    """vLLM's `SamplingParams` for `sampling_kwargs`; vLLM's own checks refuse a request
+    as a 400 `RequestError` (with vLLM's parameter name, when it gives one)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    structured = kwargs.pop("structured_outputs", None)
+    try:
+        if structured is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
+        return params_class(output_kind=output_kind, **kwargs)
+    except ValueError as exc:
+        raise RequestError(str(exc), param=getattr(exc, "parameter", None)) from exc
+
+
+async def _refusals_as_request_errors(stream: Any) -> AsyncGenerator[Any, None]:
+    """vLLM's outputs; a ValueError before the first (vLLM's input checks, which its own
+    server answers with 400) is a `RequestError`."""
+    iterator = stream.__aiter__()
+    try:
+        try:
+            output = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except ValueError as exc:
+            raise RequestError(str(exc), param=getattr(exc, "parameter", None)) from exc
+        yield output
+        async for output in iterator:
+            yield output
+    finally:
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def vllm_metrics_text() -> str:

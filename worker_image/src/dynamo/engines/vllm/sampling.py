@@ -12,14 +12,17 @@ from typing import Any
 
 from dynamo.common.backend import GenerateRequest
 from dynamo.engines.transformers_engine import SamplingParams, StopParams
+from dynamo.runtime.errors import RequestError
 
 
 def sampling_kwargs(request: GenerateRequest, default_max_tokens: int) -> dict[str, Any]:
-    """`SamplingParams(**kwargs)` for one request (ValueError naming the bad field).
+    """`SamplingParams(**kwargs)` for one request (a `RequestError` naming the bad field).
 
     `default_max_tokens` applies when the request sets no `max_tokens` (the context left
     after the prompt). Output is token ids only (`detokenize=False`): the frontend
-    detokenizes, and stop strings are its business too.
+    detokenizes, and stop strings are its business too. `structured_outputs` is the
+    keyword arguments of vLLM's `StructuredOutputsParams` (None: free text); the engine
+    builds it, since this module imports no vLLM.
     """
     sampling = SamplingParams.from_options(request.get("sampling_options") or {})
     stop = StopParams.from_conditions(request.get("stop_conditions") or {}, default_max_tokens)
@@ -27,7 +30,13 @@ def sampling_kwargs(request: GenerateRequest, default_max_tokens: int) -> dict[s
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
         "seed": sampling.seed,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "logit_bias": dict(sampling.logit_bias) or None,
+        "structured_outputs": structured_outputs(sampling.guided_decoding),
         "max_tokens": stop.max_tokens,
         "min_tokens": stop.min_tokens,
         "stop_token_ids": sorted(stop.stop_token_ids),
@@ -35,6 +44,23 @@ def sampling_kwargs(request: GenerateRequest, default_max_tokens: int) -> dict[s
         "logprobs": requested_logprobs(request.get("output_options") or {}),
         "detokenize": False,
     }
+
+
+# upstream's guided_decoding keys (and ours: `json_object`) -> StructuredOutputsParams'.
+_GUIDED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "whitespace_pattern")
+
+
+def structured_outputs(guided: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`sampling_options.guided_decoding` as `StructuredOutputsParams` keyword arguments."""
+    if not guided:
+        return None
+    kwargs = {key: guided[key] for key in _GUIDED_KEYS if guided.get(key) is not None}
+    if not kwargs.keys() - {"whitespace_pattern"}:
+        raise RequestError(
+            "'response_format' asks for structured output without a constraint",
+            param="response_format",
+        )
+    return kwargs
 
 
 def requested_logprobs(output_options: dict[str, Any]) -> int | None:
@@ -46,7 +72,7 @@ def requested_logprobs(output_options: dict[str, Any]) -> int | None:
     if value is True:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"output_options.logprobs must be a non-negative integer or true, got {value!r}"
+        raise RequestError(
+            f"'logprobs' must be a non-negative integer or true, got {value!r}", param="logprobs"
         )
     return value

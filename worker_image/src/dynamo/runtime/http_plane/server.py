@@ -116,7 +116,7 @@ class RequestPlane:
                 return await handler(request, body, context, record)
             except RequestError as exc:
                 serving.failed(record, "not_found" if exc.status == 404 else "invalid_argument")
-                return self._json(openai.error_body(str(exc), exc.status, exc.param), exc.status)
+                return self._json(openai.request_error_body(exc), exc.status)
             except asyncio.CancelledError:
                 if record.forced:
                     raise
@@ -154,21 +154,26 @@ class RequestPlane:
         record: InflightRequest,
         token_ids: list[int],
         body: dict[str, Any],
-        *,
-        max_tokens: int | None,
+        parsed: openai.TextRequest,
     ) -> dict[str, Any]:
+        """The engine request, checked against what the engine publishes."""
         serving = self.serving
-        models = serving.models
         adapter = serving.resolve_model(record, body.get("model"))
-        max_tokens = serving.check_budget(record, len(token_ids), max_tokens)
+        conditions = dict(parsed.stop_conditions)
+        max_tokens = serving.check_budget(record, len(token_ids), conditions.get("max_tokens"))
+        if max_tokens is not None:
+            conditions["max_tokens"] = max_tokens
         request: dict[str, Any] = {
             "token_ids": token_ids,
-            "model": adapter or models.base,
-            "sampling_options": openai.sampling_options(body),
-            "stop_conditions": openai.stop_conditions(body, max_tokens),
+            "model": adapter or serving.models.base,
+            "sampling_options": parsed.sampling_options,
+            "stop_conditions": conditions,
         }
+        if parsed.output_options:
+            request["output_options"] = parsed.output_options
         if adapter is not None:
             request["routing"] = {"lora_name": adapter}
+        serving.limits.check_request(request, prompt_param="messages" if parsed.chat else "prompt")
         return request
 
     # ----- /v1/models --------------------------------------------------------------------
@@ -256,10 +261,17 @@ class RequestPlane:
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         tokenizer = self._tokenizer()
+        parsed = openai.parse_text_request(body, self.serving.limits, chat=False)
         prompt = openai.completion_prompt(body)
-        token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            try:
+                token_ids = tokenizer.encode(prompt)
+            except Exception as exc:
+                raise RequestError(f"cannot tokenize the prompt: {exc}", param="prompt") from None
+        else:
+            token_ids = prompt
         return await self._text_response(
-            request, body, context, record, tokenizer, token_ids, chat=False
+            request, body, parsed, context, record, tokenizer, token_ids
         )
 
     async def _chat(
@@ -268,40 +280,38 @@ class RequestPlane:
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         tokenizer = self._tokenizer()
+        parsed = openai.parse_text_request(body, self.serving.limits, chat=True)
         messages = openai.chat_messages(body)
         try:
             prompt = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
+            token_ids = tokenizer.encode(prompt, add_special_tokens=False)
         except Exception as exc:
-            raise RequestError(f"cannot apply the model's chat template: {exc}") from None
-        token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            raise RequestError(
+                f"cannot apply the model's chat template: {exc}", param="messages"
+            ) from None
         return await self._text_response(
-            request, body, context, record, tokenizer, token_ids, chat=True
+            request, body, parsed, context, record, tokenizer, token_ids
         )
 
     async def _text_response(
         self,
         request: web.Request,
         body: dict[str, Any],
+        parsed: openai.TextRequest,
         context: Context,
         record: InflightRequest,
         tokenizer: Tokenizer,
         token_ids: list[int],
-        *,
-        chat: bool,
     ) -> web.StreamResponse:
-        engine_request = self._engine_request(
-            record, token_ids, body, max_tokens=openai.max_tokens_of(body, chat=chat)
-        )
+        chat = parsed.chat
+        engine_request = self._engine_request(record, token_ids, body, parsed)
         model = body.get("model") or self.serving.models.base
-        stops = openai.stop_strings(body)
-        events = self._text_events(engine_request, context, record, tokenizer, stops)
+        events = self._text_events(engine_request, context, record, tokenizer, parsed)
         response_id = openai.new_id("chatcmpl" if chat else "cmpl")
         created = openai.now()
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        if parsed.stream:
             return await self._stream_text(
                 request,
                 record,
@@ -310,7 +320,7 @@ class RequestPlane:
                 created,
                 model,
                 chat=chat,
-                include_usage=include_usage,
+                include_usage=parsed.include_usage,
             )
         text_parts: list[str] = []
         finish: str | None = None
@@ -318,9 +328,18 @@ class RequestPlane:
             text_parts.append(text)
             finish = reason or finish
         usage = openai.usage(len(token_ids), events_usage(events))
-        build = openai.chat_response if chat else openai.completion_response
         self.serving.succeeded()
-        return self._json(build(response_id, created, model, "".join(text_parts), finish, usage))
+        answer = openai.text_response(
+            response_id,
+            created,
+            model,
+            "".join(text_parts),
+            finish,
+            usage,
+            events.logprobs_block(),
+            chat=chat,
+        )
+        return self._json(answer)
 
     async def _stream_text(
         self,
@@ -334,37 +353,58 @@ class RequestPlane:
         chat: bool,
         include_usage: bool,
     ) -> web.StreamResponse:
+        texts = events.__aiter__()
+        try:
+            # The first event before the headers: a request the engine refuses (its own
+            # last check) is still a 400, not an error event in a 200 stream.
+            first = await anext(texts, None)
+        except BaseException:
+            await texts.aclose()
+            raise
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
         buffer = OutputBuffer()
-        template = openai.ChunkTemplate(response_id, created, model, chat=chat)
+        head = (response_id, created, model)
         if chat:
             role = {"role": "assistant", "content": ""}
-            buffer.data += _sse(openai.chat_chunk(response_id, created, model, role, None))
+            buffer.data += _sse(openai.chat_chunk(*head, role, None))
         usage_chunk = None
         if include_usage:
-            usage_chunk = functools.partial(
-                openai.usage_chunk, response_id, created, model, chat=chat
-            )
-        produce = self._produce_sse(events, template, buffer, usage_chunk, record)
+            usage_chunk = functools.partial(openai.usage_chunk, *head, chat=chat)
+        encode_into: Callable[[bytearray, str, str | None], None]
+        if events.top_logprobs is None:
+            encode_into = openai.ChunkTemplate(*head, chat=chat).encode_into
+        else:
+            # With log probabilities each event carries its tokens' own: no template.
+            def encode_into(data: bytearray, text: str, reason: str | None) -> None:
+                logprobs = events.logprobs_block()
+                _json.encode_into(
+                    openai.text_chunk(*head, text, reason, logprobs, chat=chat), data, -1
+                )
+
+        produce = self._produce_sse(first, texts, events, encode_into, buffer, usage_chunk, record)
         return await self._write_stream(response, buffer, produce, record)
 
     async def _produce_sse(
         self,
+        first: tuple[str, str | None] | None,
+        texts: AsyncGenerator[tuple[str, str | None], None],
         events: TextEvents,
-        template: openai.ChunkTemplate,
+        encode_into: Callable[[bytearray, str, str | None], None],
         buffer: OutputBuffer,
         usage_chunk: Callable[..., dict[str, Any]] | None,
         record: InflightRequest,
     ) -> bool:
-        """Encode the text events as SSE into `buffer`, then the usage event (if asked for)
-        and `[DONE]`; False after an error (which becomes an `error` event)."""
-        encode_into = template.encode_into
+        """Encode the text events (`first`, then the rest of `texts`) as SSE into `buffer`,
+        then the usage event (if asked for) and `[DONE]`; False after an error (which
+        becomes an `error` event)."""
         try:
-            async with contextlib.aclosing(events.__aiter__()) as texts:
-                async for text, reason in texts:
+            async with contextlib.aclosing(texts):
+                event = first
+                while event is not None:
+                    text, reason = event
                     data = buffer.data
                     data += b"data: "
                     encode_into(data, text, reason)
@@ -372,6 +412,7 @@ class RequestPlane:
                     full = buffer.added()
                     if full is not None:
                         await full
+                    event = await anext(texts, None)
             if usage_chunk is not None:
                 usage = openai.usage(events.prompt_tokens, events_usage(events))
                 buffer.data += _sse(usage_chunk(usage_block=usage))
@@ -389,17 +430,28 @@ class RequestPlane:
         context: Context,
         record: InflightRequest,
         tokenizer: Tokenizer,
-        stops: list[str],
+        parsed: openai.TextRequest,
     ) -> TextEvents:
         chunks = self.serving.streamer.stream(engine_request, context, record, raw=False)
-        return TextEvents(chunks, context, tokenizer, stops, len(engine_request["token_ids"]))
+        return TextEvents(
+            chunks,
+            context,
+            tokenizer,
+            parsed.stops,
+            len(engine_request["token_ids"]),
+            top_logprobs=parsed.top_logprobs,
+            chat=parsed.chat,
+        )
 
     def _stream_error(self, exc: Exception, record: InflightRequest) -> dict[str, Any]:
         if isinstance(exc, RequestError):
             self.serving.failed(record, "invalid_argument")
-            return openai.error_body(str(exc), exc.status, exc.param)["error"]
+            return openai.request_error_body(exc)["error"]
+        # Our own fault (or the engine's): logged with the request id, which the client
+        # gets too, to find the log line.
         self.serving.engine_failed(exc, record)
-        return openai.error_body(f"engine error: {exc}", 500)["error"]
+        request_id = record.context.id()
+        return openai.error_body(f"engine error: {exc} (request id {request_id})", 500)["error"]
 
 
 class TextEvents:
@@ -413,14 +465,58 @@ class TextEvents:
         tokenizer: Tokenizer,
         stops: list[str],
         prompt_tokens: int,
+        *,
+        top_logprobs: int | None = None,
+        chat: bool = False,
     ) -> None:
+        """`top_logprobs`: alternatives per token when log probabilities were asked for."""
         self._chunks = chunks
         self._context = context
+        self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(stops)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.engine_usage: dict[str, Any] | None = None
+        self.top_logprobs = top_logprobs
+        self._chat = chat
+        # Log probabilities of the tokens not yet handed out (`logprobs_block`).
+        self._logprobs: list[openai.TokenLogprob] = []
+        self._text_offset = 0
+
+    def logprobs_block(self) -> dict[str, Any] | None:
+        """The OpenAI `logprobs` of the tokens seen since the last call (None when they
+        were not asked for)."""
+        if self.top_logprobs is None:
+            return None
+        entries, self._logprobs = self._logprobs, []
+        if self._chat:
+            return openai.chat_logprobs(entries)
+        block = openai.completion_logprobs(entries, self._text_offset)
+        self._text_offset += sum(len(entry.token) for entry in entries)
+        return block
+
+    def _collect_logprobs(self, chunk: dict[str, Any], token_ids: Any) -> None:
+        chosen = chunk.get("log_probs") or []
+        tops = chunk.get("top_logprobs") or []
+        decode = self._tokenizer.decode
+        count = self.top_logprobs or 0
+        for index, token in enumerate(token_ids):
+            logprob = chosen[index] if index < len(chosen) else None
+            if logprob is None:
+                raise RuntimeError("the engine returned no log probability for a token")
+            alternatives = tops[index] if index < len(tops) else []
+            best = sorted(alternatives, key=lambda alt: -float(alt["logprob"]))[:count]
+            self._logprobs.append(
+                openai.TokenLogprob(
+                    token=decode([token], skip_special_tokens=False),
+                    logprob=float(logprob),
+                    top=[
+                        (decode([int(alt["token_id"])], skip_special_tokens=False), alt["logprob"])
+                        for alt in best
+                    ],
+                )
+            )
 
     def __aiter__(self) -> AsyncGenerator[tuple[str, str | None], None]:
         return self._events()
@@ -432,6 +528,8 @@ class TextEvents:
             async for chunk in self._chunks:
                 token_ids = chunk.get("token_ids") or ()
                 self.completion_tokens += len(token_ids)
+                if self.top_logprobs is not None and token_ids:
+                    self._collect_logprobs(chunk, token_ids)
                 text = stops.feed(detokenizer.add(token_ids)) if token_ids else ""
                 if stops.stopped:
                     # A stop string ended the output: stop the engine (it is aborted).
