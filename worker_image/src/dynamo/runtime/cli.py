@@ -365,20 +365,26 @@ def engine_argv(args: argparse.Namespace, model: str | None, extras: Sequence[st
 
 async def resolve_model(model: str | None) -> str | None:
     """A local path for `--model`: `file://` is stripped, `hf://org/repo` and
-    `s3://bucket/prefix` are fetched."""
+    `s3://bucket/prefix` are fetched; with `DYN_MODEL_CACHE_REQUIRED` on, they come only from
+    their complete model cache directory (the operator's fill Job made it) and nothing is
+    downloaded."""
     if model is None or "://" not in model:
         return _readable(model)
     scheme, _, rest = model.partition("://")
     if scheme == "file":
         return _readable(rest)
     if scheme == "hf":
+        from dynamo.runtime import model_cache
+
+        if model_cache.cache_required():
+            return _readable(str(model_cache.lookup(model, model_cache.default_cache())))
         from dynamo.common.model_fetch import fetch_model
 
         return await fetch_model(rest)
     if scheme == "s3":
         from dynamo.runtime.s3_model import fetch_s3_model
 
-        return await fetch_s3_model(model)
+        return _readable(await fetch_s3_model(model))
     raise ValueError(
         f"--model {model}: unsupported scheme {scheme!r}; use a path, file://, hf:// or s3://"
     )

@@ -1,5 +1,9 @@
 """`s3://bucket/prefix` adapters: every object under the prefix, fetched with s3fs.
 
+`download_s3` returns its plan (each object's key, size and ETag) so that a caller can verify
+what arrived; the model cache (`dynamo.runtime.model_cache`) does, the LoRA downloader checks
+adapters its own way.
+
 Configuration comes from the environment only (as upstream): `AWS_ACCESS_KEY_ID` and
 `AWS_SECRET_ACCESS_KEY` (required), `AWS_SESSION_TOKEN`, `AWS_REGION` (default `us-east-1`),
 `AWS_ENDPOINT` (a custom endpoint, path-style addressing; the SDK names `AWS_ENDPOINT_URL_S3`
@@ -66,6 +70,17 @@ class S3Location:
 
 
 @dataclass(frozen=True)
+class S3Object:
+    """One object to fetch: its `bucket/key`, its path below the destination, and what the
+    listing said of it (`etag` without quotes, empty when the server gave none)."""
+
+    remote: str
+    relative: PurePosixPath
+    size: int
+    etag: str
+
+
+@dataclass(frozen=True)
 class S3Settings:
     """S3 client settings read from the environment."""
 
@@ -77,34 +92,36 @@ class S3Settings:
     timeout: float
 
 
-def parse_s3_uri(uri: str) -> S3Location:
-    """Split `s3://bucket/prefix`, refusing credentials, queries, and empty or `..` prefixes."""
+def parse_s3_uri(uri: str, what: str = "LoRA URI") -> S3Location:
+    """Split `s3://bucket/prefix`, refusing credentials, queries, and empty or `..` prefixes.
+
+    `what` names the URI in the messages (a model source is not a LoRA URI)."""
     rest = uri[len(SCHEME_PREFIX) :]
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket:
         raise LoRADownloadError(
-            f"LoRA URI {_redact(uri)} embeds credentials; remove them and set "
+            f"{what} {_redact(uri)} embeds credentials; remove them and set "
             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment instead",
             REASON_BAD_URI,
         )
     if not bucket:
         raise LoRADownloadError(
-            f"LoRA URI {uri!r} names no bucket; use s3://<bucket>/<prefix>", REASON_BAD_URI
+            f"{what} {uri!r} names no bucket; use s3://<bucket>/<prefix>", REASON_BAD_URI
         )
     if "?" in rest or "#" in rest:
         raise LoRADownloadError(
-            f"LoRA URI {uri!r} has a query or fragment; use s3://<bucket>/<prefix>", REASON_BAD_URI
+            f"{what} {uri!r} has a query or fragment; use s3://<bucket>/<prefix>", REASON_BAD_URI
         )
     prefix = prefix.strip("/")
     if not prefix:
         raise LoRADownloadError(
-            f"LoRA URI {uri!r} has an empty prefix, which would download the whole bucket; "
-            "point it at the adapter's directory: s3://<bucket>/<prefix>",
+            f"{what} {uri!r} has an empty prefix, which would download the whole bucket; "
+            "point it at the directory that holds the files: s3://<bucket>/<prefix>",
             REASON_BAD_URI,
         )
     if any(part in ("", ".", "..") for part in prefix.split("/")) or "\\" in prefix:
         raise LoRADownloadError(
-            f"LoRA URI {uri!r} has an empty, '.' or '..' path component or a backslash",
+            f"{what} {uri!r} has an empty, '.' or '..' path component or a backslash",
             REASON_BAD_URI,
         )
     return S3Location(bucket, prefix)
@@ -172,15 +189,22 @@ def _filesystem(settings: S3Settings) -> Any:
     return fs
 
 
-async def download_s3(uri: str, dest: Path) -> None:
-    """Write every object under the URI's prefix into the empty directory `dest`.
+async def download_s3(
+    uri: str,
+    dest: Path,
+    *,
+    what: str = "LoRA URI",
+    on_plan: Callable[[Sequence[S3Object]], None] | None = None,
+) -> list[S3Object]:
+    """Write every object under the URI's prefix into the empty directory `dest`; the plan.
 
     Object keys are checked before anything is written: a key whose remainder after the
     prefix is absolute, has `..`/`.`/empty components, or collides with a bookkeeping name
     is refused, as is a listing longer than `max_adapter_files()` or one that holds both a
-    file and a directory of the same name.
+    file and a directory of the same name. `on_plan` sees the checked plan before the first
+    object is fetched (a caller reporting progress learns the total there).
     """
-    location = parse_s3_uri(uri)
+    location = parse_s3_uri(uri, what)
     settings = s3_settings()
     if settings.endpoint:
         await check_s3_endpoint(settings.endpoint)
@@ -191,6 +215,8 @@ async def download_s3(uri: str, dest: Path) -> None:
         raise classify_s3_error(exc, uri, settings) from exc
     try:
         plan = await _plan(fs, uri, location, settings)
+        if on_plan is not None:
+            on_plan(plan)
         limiter = asyncio.Semaphore(CONCURRENT_OBJECTS)
 
         async def fetch(remote: str, relative: PurePosixPath) -> None:
@@ -205,8 +231,8 @@ async def download_s3(uri: str, dest: Path) -> None:
 
         try:
             async with asyncio.TaskGroup() as group:
-                for remote, relative in plan:
-                    group.create_task(fetch(remote, relative))
+                for item in plan:
+                    group.create_task(fetch(item.remote, item.relative))
         except ExceptionGroup as failures:
             # The first failure explains the download; the others were cancelled with it.
             first: BaseException = failures.exceptions[0]
@@ -217,11 +243,10 @@ async def download_s3(uri: str, dest: Path) -> None:
             raise classify_s3_error(first, uri, settings) from first
     finally:
         await client.close()
+    return plan
 
 
-async def _plan(
-    fs: Any, uri: str, location: S3Location, settings: S3Settings
-) -> list[tuple[str, PurePosixPath]]:
+async def _plan(fs: Any, uri: str, location: S3Location, settings: S3Settings) -> list[S3Object]:
     root = f"{location.bucket}/{location.prefix}"
     try:
         listing: dict[str, dict[str, Any]] = await with_retries(
@@ -229,7 +254,7 @@ async def _plan(
         )
     except Exception as exc:
         raise classify_s3_error(exc, uri, settings) from exc
-    plan: list[tuple[str, PurePosixPath]] = []
+    plan: list[S3Object] = []
     for name, info in sorted(listing.items()):
         if info.get("type") == "directory" or (name.endswith("/") and not info.get("size")):
             continue  # "folder" placeholder objects that S3 consoles create
@@ -238,7 +263,8 @@ async def _plan(
             # is empty, which upstream skips.
             continue
         relative = safe_relative_path(name[len(root) + 1 :], uri)
-        plan.append((name, relative))
+        etag = str(info.get("ETag") or "").strip('"')
+        plan.append(S3Object(name, relative, int(info.get("size") or 0), etag))
         check_file_count(len(plan), uri)
     if not plan:
         raise LoRADownloadError(
@@ -246,7 +272,7 @@ async def _plan(
             f"{location.prefix + '/'!r}); check the URI",
             REASON_NOT_FOUND,
         )
-    files = {relative for _, relative in plan}
+    files = {item.relative for item in plan}
     for relative in files:
         for parent in relative.parents:
             if parent in files:
