@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +22,19 @@ import aiohttp
 import pytest
 from kubernetes_asyncio import client
 
-from support.cluster import REPO, Cluster, eventually
-from support.helm import CHART, require_helm, run_helm, set_args
+from support.cluster import Cluster, eventually
 from support.images import Images, images, node_images
+from support.kubelet_release import (
+    GROUP,
+    ON_THE_NODE,
+    VERSION,
+    condition,
+    dynamo_worker,
+    kubelet_node,
+    operator_release,
+    s3_credentials,
+    state,
+)
 from support.s3 import TESTBED_HOST, S3Server
 from support.s3_sigv4 import sigv4_s3_server
 from support.testbed_kubectl import kubectl
@@ -34,23 +42,14 @@ from support.testbed_workers import worker_metric
 from support.tiny_model import TinyModel
 from support.upstream import post_sse
 
-sys.path.insert(0, str(REPO / "hack"))
-from testbed import kubelet_node
-
 pytestmark = pytest.mark.e2e
 __all__ = ["images", "node_images"]
 
-GROUP, VERSION = "dynamo.dev", "v1alpha1"
 WORKER = "tiny"
 FRONTEND = f"{WORKER}-frontend"
 SERVED = "tiny-llama"
 ADAPTERS = ("sql-lora", "poet-lora")
 BUCKET = "models"
-CREDENTIALS = "s3-credentials"
-ON_THE_NODE: dict[str, Any] = {
-    "nodeSelector": {"kubernetes.io/hostname": kubelet_node.NODE_NAME},
-    "tolerations": [{"key": kubelet_node.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
-}
 # A real container start (an image of torch, a model fetched from S3) on 2 shared cores.
 READY_WITHIN = 600
 STREAM_TOKENS = 300
@@ -68,29 +67,9 @@ def models(tiny_model: TinyModel, tmp_path: Path) -> Iterator[S3Server]:
         yield s3
 
 
-def _namespace(testbed: Cluster, *labels: str) -> str:
-    name = f"img-{uuid.uuid4().hex[:8]}"
-    testbed.kubectl("create", "namespace", name)
-    testbed.kubectl("label", "namespace", name, "dynamo.dev/test=true", *labels)
-    return name
-
-
-def _state(testbed: Cluster, *namespaces: str) -> str:
-    """What a failure needs: every pod with its node and status, and the Events."""
-    out = []
-    for namespace in namespaces:
-        for what in ("pods -o wide", "events --sort-by=.lastTimestamp"):
-            got = kubectl(testbed, "-n", namespace, "get", *what.split())
-            out.append(f"$ kubectl -n {namespace} get {what}\n{got.stdout}{got.stderr}")
-    return "\n".join(out)
-
-
 async def _ready(api: client.ApiClient, namespace: str) -> bool:
-    worker = await client.CustomObjectsApi(api).get_namespaced_custom_object(
-        GROUP, VERSION, namespace, "dynamoworkers", WORKER
-    )
-    conditions = (worker.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    ready = await condition(api, namespace, WORKER, "Ready")
+    return ready is not None and ready["status"] == "True"
 
 
 async def _adapter_loaded(api: client.ApiClient, namespace: str, name: str) -> bool:
@@ -126,28 +105,10 @@ async def _worker_pods(api: client.ApiClient, namespace: str) -> list[client.V1P
 async def test_the_chart_serves_on_the_real_images(
     api: client.ApiClient, testbed: Cluster, node_images: Images, models: S3Server
 ) -> None:
-    helm = require_helm()
-    release = f"img-{uuid.uuid4().hex[:4]}"
-    home = _namespace(testbed, "pod-security.kubernetes.io/enforce=restricted")
-    watched = _namespace(testbed, "pod-security.kubernetes.io/enforce=restricted")
-    repository, tag = node_images["operator"].split(":")
-    values = {
-        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-        "replicaCount": 2,
-        "rbac": {"scope": "namespaced", "watchNamespaces": [watched]},
-        "workerDefaults": {"image": node_images["worker"]},
-        **ON_THE_NODE,
-    }
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
-    try:
-        # --take-ownership: the CRDs exist already (other tests, earlier releases).
-        installed = run_helm(
-            helm, "install", release, str(CHART), "-n", home, *set_args(values),
-            "--take-ownership", "--wait", "--timeout", "280s",
-            kubeconfig=testbed.kubeconfig, check=False,
-        )  # fmt: skip
-        assert installed.returncode == 0, f"{installed.stderr}\n{_state(testbed, home)}"
+    async with operator_release(testbed, node_images, replicas=2) as release:
+        home, watched = release.home, release.watched
         operators = (await core.list_namespaced_pod(home)).items
         assert len(operators) == 2
         assert {p.spec.node_name for p in operators} == {kubelet_node.NODE_NAME}
@@ -157,15 +118,7 @@ async def test_the_chart_serves_on_the_real_images(
             assert uid.stdout.strip() == "10001", uid.stderr
             assert pod.status.container_statuses[0].user.linux.uid == 10001
 
-        secret: Any = {
-            "metadata": {"name": CREDENTIALS},
-            "stringData": {
-                "AWS_ACCESS_KEY_ID": models.env["AWS_ACCESS_KEY_ID"],
-                "AWS_SECRET_ACCESS_KEY": models.env["AWS_SECRET_ACCESS_KEY"],
-            },
-        }
-        await core.create_namespaced_secret(watched, secret)
-        s3 = {"secretName": CREDENTIALS, "endpoint": models.endpoint_url, "region": "us-east-1"}
+        s3 = await s3_credentials(api, watched, models)
         spec = {
             "model": {"name": SERVED, "source": f"s3://{BUCKET}/base"},
             "replicas": 2,
@@ -176,13 +129,11 @@ async def test_the_chart_serves_on_the_real_images(
             "pod": ON_THE_NODE,
             "frontend": {"image": node_images["frontend"], "pod": ON_THE_NODE},
         }
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DynamoWorker",
-                "metadata": {"name": WORKER}, "spec": spec}  # fmt: skip
-        await custom.create_namespaced_custom_object(GROUP, VERSION, watched, "dynamoworkers", body)
+        await dynamo_worker(api, watched, WORKER, spec)
         try:
             await eventually(lambda: _ready(api, watched), READY_WITHIN, bool)
         except AssertionError as err:
-            raise AssertionError(f"{err}\n{_state(testbed, home, watched)}") from None
+            raise AssertionError(f"{err}\n{state(testbed, home, watched)}") from None
 
         for name in ADAPTERS:
             adapter = {
@@ -246,8 +197,3 @@ async def test_the_chart_serves_on_the_real_images(
                 assert logs.returncode == 0, logs.stderr
                 done = kubectl(testbed, "-n", namespace, "exec", name, "--", "id", "-u")
                 assert done.stdout.strip() == "10001", (name, done.stderr)
-    finally:
-        run_helm(helm, "uninstall", release, "-n", home, "--wait", "--timeout", "120s",
-                 kubeconfig=testbed.kubeconfig, check=False)  # fmt: skip
-        for namespace in (watched, home):
-            testbed.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -11,6 +11,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo_operator.api import DynamoWorker
+
 API_VERSION = "dynamo.dev/v1alpha1"
 
 
@@ -34,6 +36,18 @@ def dynamo_worker(name: str = "llm", spec: dict[str, Any] | None = None) -> dict
         "metadata": {"name": name},
         "spec": merge(base, spec or {}),
     }
+
+
+def stored(manifest: dict[str, Any], namespace: str = "serving") -> DynamoWorker:
+    """The DynamoWorker `manifest` as the API server hands it out (namespace, uid, generation
+    set), validated."""
+    body = copy.deepcopy(manifest)
+    body["metadata"] |= {
+        "namespace": namespace,
+        "uid": "0f8e5c1a-5b7e-4c39-9d59-2f6d1b8e0c11",
+        "generation": 1,
+    }
+    return DynamoWorker.model_validate(body)
 
 
 def lora_adapter(name: str = "sql-adapter", spec: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -205,6 +219,27 @@ _VALID = [
             }
         ),
     ),
+    (
+        "dw-model-cache-owned",
+        dynamo_worker(
+            spec={
+                "model": {
+                    "source": "s3://models/qwen",
+                    "cache": {
+                        "size": "100Gi",
+                        "storageClassName": "fast-rwx",
+                        "accessMode": "ReadWriteMany",
+                    },
+                }
+            }
+        ),
+    ),
+    (
+        "dw-model-cache-claim",
+        dynamo_worker(
+            spec={"model": {"source": "hf://Qwen/Qwen3-0.6B@main", "cache": {"claimName": "w"}}}
+        ),
+    ),
     ("lora-minimal", lora_adapter()),
     ("lora-full", FULL_LORA_ADAPTER),
     ("lora-hf-bare-repo", lora_adapter(spec={"source": {"uri": "hf://gpt2-lora@main"}})),
@@ -228,6 +263,47 @@ class Invalid:
 
 
 _INVALID = [
+    Invalid(
+        "dw-model-cache-size-zero",
+        dynamo_worker(spec={"model": {"source": "s3://m/q", "cache": {"size": "0Gi"}}}),
+        "spec.model.cache.size",
+        "spec.model.cache.size must be above zero, e.g. 100Gi",
+    ),
+    Invalid(
+        "dw-model-cache-size-negative",
+        dynamo_worker(spec={"model": {"source": "s3://m/q", "cache": {"size": "-1Gi"}}}),
+        "spec.model.cache.size",
+    ),
+    Invalid(
+        "dw-model-cache-claim-and-storage-class",
+        dynamo_worker(
+            spec={
+                "model": {
+                    "source": "s3://m/q",
+                    "cache": {"claimName": "weights", "storageClassName": "fast"},
+                }
+            }
+        ),
+        "spec.model.cache.storageClassName",
+        "spec.model.cache.storageClassName applies to a claim the operator creates (size); "
+        "an existing claim (claimName) has its own storage class",
+    ),
+    Invalid(
+        "dw-model-cache-claim-and-size",
+        dynamo_worker(
+            spec={"model": {"source": "s3://m/q", "cache": {"claimName": "w", "size": "1Gi"}}}
+        ),
+        "spec.model.cache",
+        "spec.model.cache: set claimName (an existing claim) or size (a claim the operator "
+        "creates), exactly one",
+    ),
+    Invalid(
+        "dw-model-cache-local-source",
+        dynamo_worker(spec={"model": {"source": "file:///models/q", "cache": {"size": "1Gi"}}}),
+        "spec.model.cache",
+        "spec.model.cache needs a source to fetch (s3:// or hf://); a path or file:// source "
+        "is already local: remove spec.model.cache",
+    ),
     Invalid("dw-replicas-too-many", dynamo_worker(spec={"replicas": 5000}), "spec.replicas"),
     Invalid(
         "dw-source-scheme",

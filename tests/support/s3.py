@@ -28,6 +28,8 @@ class S3Server:
 
     endpoint_url: str
     env: dict[str, str] = field(default_factory=dict)
+    # The server's own access log (S3 server-access-log lines), where it keeps one.
+    access_log: Path | None = None
 
     def client(self) -> Any:
         """A boto3 S3 client bound to this server."""

@@ -5,18 +5,22 @@ hack/build-versitygw, serving a directory through its posix backend.
 `versitygw_binary()` finds the binary (`$DYNAMO_VERSITYGW_BIN`, else the test bed's cache
 keyed by the version hack/versions.env pins). `sigv4_s3_server(workdir, host)` runs it on a
 free port of `host` with credentials of its own and yields a `support.s3.S3Server` that holds
-the right ones; the test skips, saying how to build it, when there is no binary.
+the right ones; the test skips, saying how to build it, when there is no binary. Its access
+log counts what it served: `object_reads(server)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,14 +60,19 @@ def sigv4_s3_server(workdir: Path, host: str = "127.0.0.1") -> Iterator[S3Server
     buckets = workdir / "buckets"
     buckets.mkdir(parents=True)
     log = workdir / "versitygw.log"
-    server = s3_server_at(f"http://{host}:{port}", key=ACCESS_KEY, secret=uuid.uuid4().hex)
+    access_log = workdir / "access.log"
+    server = dataclasses.replace(
+        s3_server_at(f"http://{host}:{port}", key=ACCESS_KEY, secret=uuid.uuid4().hex),
+        access_log=access_log,
+    )
     # The root credentials go through the environment, so that no process listing shows them.
     env = {
         **os.environ,
         "ROOT_ACCESS_KEY_ID": ACCESS_KEY,
         "ROOT_SECRET_ACCESS_KEY": server.env["AWS_SECRET_ACCESS_KEY"],
     }
-    argv = [str(binary), "--port", f"{host}:{port}", "--region", REGION, "posix", str(buckets)]
+    argv = [str(binary), "--port", f"{host}:{port}", "--region", REGION,
+            "--access-log", str(access_log), "posix", str(buckets)]  # fmt: skip
     with log.open("wb") as out:
         process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -75,6 +84,23 @@ def sigv4_s3_server(workdir: Path, host: str = "127.0.0.1") -> Iterator[S3Server
             process.wait(timeout=20)
         process.kill()  # nothing happens once it has exited
         process.wait()
+
+
+# A successful GetObject in versitygw's access log: its operation, the key, the request URI
+# (which may hold spaces), then the HTTP status.
+_OBJECT_READ = re.compile(r" s3_GetObject (\S+) .*? (\d{3}) ")
+
+
+def object_reads(server: S3Server) -> dict[str, int]:
+    """How many times the server sent each object (successful GetObject requests), as its own
+    access log counts them."""
+    assert server.access_log is not None, "this S3 server keeps no access log"
+    counts: Counter[str] = Counter()
+    for line in server.access_log.read_text(errors="replace").splitlines():
+        found = _OBJECT_READ.search(line)
+        if found is not None and found.group(2) == "200":
+            counts[found.group(1)] += 1
+    return dict(counts)
 
 
 def _wait_listening(process: subprocess.Popen[bytes], host: str, port: int, log: Path) -> None:

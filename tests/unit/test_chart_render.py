@@ -25,7 +25,7 @@ from dynamo_operator.api import metadata as dwm
 from dynamo_operator.handlers import build_registry
 from dynamo_operator.k8s import kinds
 from dynamo_operator.pods.credentials import DEFAULT_TOKEN_FILE, WORKER_ADMIN_AUDIENCE
-from dynamo_operator.reconcile.dynamoworker import builders
+from dynamo_operator.reconcile.dynamoworker import builders, model_cache
 from dynamo_operator.reconcile.dynamoworker.reconciler import FRONTEND_KINDS
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from support.api_cases import FULL_DYNAMO_WORKER
@@ -315,6 +315,20 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     for child in builders.desired_children(dw, settings):
         group = child["apiVersion"].rpartition("/")[0]
         need |= {(group, kinds.kind_of(child).plural, v, ()) for v in ("get", "create", "patch")}
+    # spec.model.cache: its claim and Jobs are read and applied like the other children; an
+    # existing claim is read; the fill pods are listed by their Job and their log read.
+    cached = copy.deepcopy(stored)
+    cached["spec"]["model"] = {"name": "m", "source": "s3://b/m", "cache": {"size": "1Gi"}}
+    cache_dw = DynamoWorker.model_validate(cached)
+    claim = model_cache.desired_claim(cache_dw)
+    assert claim is not None
+    for child in (
+        claim,
+        model_cache.desired_fill_job(cache_dw, settings, 1),
+        model_cache.desired_prune_job(cache_dw, settings),
+    ):
+        group = child["apiVersion"].rpartition("/")[0]
+        need |= {(group, kinds.kind_of(child).plural, v, ()) for v in ("get", "create", "patch")}
     # Reads, deletes and status patches of a named kind, as the source spells them
     # (`cluster.get(kinds.POD_MONITOR, ...)`); CRDs are cluster-scoped, checked below.
     source = "\n".join(
@@ -329,9 +343,16 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     for kind in (kinds.POD_MONITOR, kinds.NETWORK_POLICY, *FRONTEND_KINDS):
         group = kind.api_version.rpartition("/")[0]
         need |= {(group, kind.plural, v, ()) for v in ("get", "delete")}
-    verbs = {"get": "get", "list": "list", "delete": "delete", "patch_status": "patch"}
+    verbs = {
+        "get": "get",
+        "_get": "get",
+        "list": "list",
+        "_get_list": "list",
+        "delete": "delete",
+        "patch_status": "patch",
+    }
     for method, name in re.findall(
-        r"\.(get|list|delete|patch_status)\(\s*kinds\.([A-Z_]+)", source
+        r"\.(get|_get|list|_get_list|delete|patch_status)\(\s*kinds\.([A-Z_]+)", source
     ):
         kind = getattr(kinds, name)
         if kind is kinds.CRD:
@@ -348,6 +369,8 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     # The LoRA-adapters readiness gate, set on worker pods (a strategic merge patch).
     assert "patch_pod_conditions(" in source
     need.add(("", "pods/status", "patch", ()))
+    assert "pod_log_tail(" in source  # the fill's progress
+    need.add(("", "pods/log", "get", ()))
     assert "create_event(" in source
     need.add(("events.k8s.io", "events", "create", ()))  # the reconciler's Events
     need.add(("", "events", "create", ()))  # kopf posts core/v1 Events (posting is on)

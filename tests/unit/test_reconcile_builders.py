@@ -5,7 +5,6 @@ discovery labels, owner references, and arguments the worker's own CLI accepts."
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ import pytest
 import yaml
 
 from dynamo.runtime import cli as worker_cli
-from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.dynamoworker import Drain
 from dynamo_operator.reconcile.dynamoworker import interface as wi
 from dynamo_operator.reconcile.dynamoworker.builders import (
@@ -27,7 +25,7 @@ from dynamo_operator.reconcile.dynamoworker.builders import (
 from dynamo_operator.reconcile.dynamoworker.frontend import desired_frontend_children
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.errors import SpecError
-from support.api_cases import FULL_DYNAMO_WORKER, dynamo_worker
+from support.api_cases import FULL_DYNAMO_WORKER, dynamo_worker, stored
 
 pytestmark = pytest.mark.unit
 
@@ -36,17 +34,6 @@ UPDATE = os.environ.get("DYNAMO_UPDATE_GOLDEN") == "1"
 IMAGE = "registry.example.com/dynamo-worker:0.1"
 DEFAULTS = ReconcileSettings(worker_image=IMAGE)
 WITH_POD_MONITOR_CRD = ReconcileSettings(worker_image=IMAGE, pod_monitor_crd=True)
-
-
-def stored(manifest: dict[str, Any], namespace: str = "serving") -> DynamoWorker:
-    """The DynamoWorker as the API server hands it out (namespace, uid, generation set)."""
-    body = copy.deepcopy(manifest)
-    body["metadata"] |= {
-        "namespace": namespace,
-        "uid": "0f8e5c1a-5b7e-4c39-9d59-2f6d1b8e0c11",
-        "generation": 1,
-    }
-    return DynamoWorker.model_validate(body)
 
 
 CASES: list[tuple[str, dict[str, Any], ReconcileSettings]] = [

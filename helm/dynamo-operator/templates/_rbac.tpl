@@ -34,6 +34,11 @@ rules against the code.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+# The fill pods of spec.model.cache: their log holds the fill's progress and nothing else (the
+# operator reads the last lines of the fill container while it runs).
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 # Worker pod status: only the condition of the LoRA-adapters readiness gate
 # (dynamo.dev/lora-adapters-ready), while a LoRAAdapter with requiredForReadiness targets them.
 - apiGroups: [""]
@@ -58,6 +63,16 @@ rules against the code.
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.model.cache: the claim the operator creates (size), watched and server-side applied,
+# and an existing claim (claimName) read to tell whether it exists; the fill Job of each
+# source, watched, created, and deleted to retry it after a failure (never patched: a Job's
+# pod template is immutable).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The worker pods' NetworkPolicy: watched, server-side applied, and deleted when
 # spec.networkPolicy.enabled is false.

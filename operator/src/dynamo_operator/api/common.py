@@ -187,6 +187,8 @@ class ConditionType(StrEnum):
     READY = "Ready"
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
+    # DynamoWorker only, with spec.model.cache: the weights are in the cache volume.
+    MODEL_CACHED = "ModelCached"
 
 
 class Condition(StatusModel):

@@ -20,6 +20,7 @@ from dynamo_operator.api.common import (
     DnsSubdomain,
     ModelName,
     Quantity,
+    cel_string,
     conditions_field,
     defaulted,
 )
@@ -74,6 +75,68 @@ RouterMode = Literal["round-robin", "random", "power-of-two", "least-loaded", "k
 MAX_FRONTEND_REPLICAS = 64
 
 
+# A quantity of zero in any spelling: "0", "0.0", "0Gi", "0e3".
+ZERO_QUANTITY_PATTERN = r"^(0+([.]0*)?|[.]0+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+_ZERO_QUANTITY = re.compile(ZERO_QUANTITY_PATTERN)
+CacheAccessMode = Literal["ReadWriteOnce", "ReadWriteMany"]
+# Model sources a cache can hold: the ones the worker downloads (a path or file:// is local).
+CACHEABLE_SCHEMES = ("s3://", "hf://")
+
+
+class ModelCache(ApiModel):
+    """A volume the weights are fetched into once, by a Job, for every pod to load from.
+
+    Either an existing claim (`claimName`) or one the operator creates and deletes with the
+    DynamoWorker (`size`, with `storageClassName` and `accessMode`).
+    """
+
+    claim_name: DnsSubdomain | None = Field(
+        default=None,
+        description="An existing PersistentVolumeClaim in the same namespace. The operator fills "
+        "it and never removes anything from it (it may be shared).",
+    )
+    size: Quantity | None = Field(
+        default=None,
+        description="Size of the claim the operator creates, e.g. 100Gi: the model plus room "
+        "for a second revision while a source change rolls out.",
+    )
+    storage_class_name: DnsSubdomain | None = Field(
+        default=None,
+        description="Storage class of the claim the operator creates; the cluster's default "
+        "when unset.",
+    )
+    access_mode: CacheAccessMode = Field(
+        default="ReadWriteOnce",
+        description="Access mode of the claim the operator creates: ReadWriteMany when the "
+        "pods may run on several nodes (a shared file system); ReadWriteOnce keeps them on the "
+        "volume's node.",
+    )
+
+    cel_rules = (
+        Rule(
+            rule="has(self.claimName) != has(self.size)",
+            message="spec.model.cache: set claimName (an existing claim) or size (a claim the "
+            "operator creates), exactly one",
+            check=lambda c: (c.claim_name is None) != (c.size is None),
+        ),
+        Rule(
+            rule="!has(self.claimName) || !has(self.storageClassName)",
+            message="spec.model.cache.storageClassName applies to a claim the operator creates "
+            "(size); an existing claim (claimName) has its own storage class",
+            check=lambda c: c.claim_name is None or c.storage_class_name is None,
+            field_path=".storageClassName",
+        ),
+        Rule(
+            rule="!has(self.size) || !string(self.size).matches("
+            + cel_string(ZERO_QUANTITY_PATTERN)
+            + ")",
+            message="spec.model.cache.size must be above zero, e.g. 100Gi",
+            check=lambda c: c.size is None or not _ZERO_QUANTITY.match(str(c.size)),
+            field_path=".size",
+        ),
+    )
+
+
 class ServedModel(ApiModel):
     """The base model the workers load and the names clients reach it by."""
 
@@ -97,6 +160,12 @@ class ServedModel(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
 
+    cache: ModelCache | None = Field(
+        default=None,
+        description="Fetch the weights once into a volume (by a Job) and start the pods from "
+        "it, instead of each pod downloading them. For s3:// and hf:// sources.",
+    )
+
     @property
     def served_name(self) -> str:
         """The name clients use."""
@@ -111,6 +180,14 @@ class ServedModel(ApiModel):
             "(servedModelName, or name when it is unset)",
             check=lambda m: m.served_name not in m.aliases,
             field_path=".aliases",
+        ),
+        Rule(
+            rule="!has(self.cache) || "
+            + " || ".join(f"self.source.startsWith({cel_string(s)})" for s in CACHEABLE_SCHEMES),
+            message="spec.model.cache needs a source to fetch (s3:// or hf://); a path or "
+            "file:// source is already local: remove spec.model.cache",
+            check=lambda m: m.cache is None or m.source.startswith(CACHEABLE_SCHEMES),
+            field_path=".cache",
         ),
     )
 
@@ -693,6 +770,27 @@ class FrontendStatus(StatusModel):
     )
 
 
+class ModelCacheStatus(StatusModel):
+    """The model cache's fill of the current source (spec.model.cache)."""
+
+    key: str = Field(
+        max_length=64, description="The source's directory on the cache volume (a digest)."
+    )
+    claim_name: str = Field(max_length=DNS_SUBDOMAIN_MAX, description="The cache's claim.")
+    bytes_done: int | None = Field(
+        default=None, ge=0, le=JSON_SAFE_INT_MAX, description="Bytes fetched so far."
+    )
+    bytes_total: int | None = Field(
+        default=None, ge=0, le=JSON_SAFE_INT_MAX, description="Bytes the source holds."
+    )
+    stale_key: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The directory of an earlier source, removed once every pod runs the "
+        "current one (on a claim the operator created).",
+    )
+
+
 class DynamoWorkerStatus(StatusModel):
     """The observed state of a DynamoWorker."""
 
@@ -722,6 +820,9 @@ class DynamoWorkerStatus(StatusModel):
     )
     frontend: FrontendStatus | None = Field(
         default=None, description="The frontend, when spec.frontend is set."
+    )
+    model_cache: ModelCacheStatus | None = Field(
+        default=None, description="The model cache, when spec.model.cache is set."
     )
 
 

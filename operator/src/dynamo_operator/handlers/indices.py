@@ -46,6 +46,8 @@ CHILD_KINDS = (
     kinds.DEPLOYMENT,
     kinds.NETWORK_POLICY,
     kinds.POD_MONITOR,
+    kinds.PERSISTENT_VOLUME_CLAIM,
+    kinds.JOB,
 )
 
 log = logging.getLogger(__name__)

@@ -81,6 +81,19 @@ async def connect(kubeconfig: str | None = None) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
+async def _text_of(response: Any, what: str) -> str:
+    """The body of a raw (not preloaded) response, or its refusal as an ApiError."""
+    try:
+        body: str = await response.text()
+    except (OSError, TimeoutError) as exc:
+        raise ApiError(0, type(exc).__name__, str(exc) or "no answer", what) from None
+    finally:
+        response.release()
+    if not 200 <= response.status <= 299:
+        raise ApiError(response.status, str(response.reason or ""), body[:500], what)
+    return body
+
+
 class Cluster:
     """The operator's requests to the API server."""
 
@@ -117,7 +130,8 @@ class Cluster:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str = JSON,
-    ) -> dict[str, Any]:
+        text: bool = False,
+    ) -> Any:
         if method != "GET" and self._fence is not None:
             # Leader election's fencing rule (k8s.election): no write after the deadline.
             try:
@@ -129,10 +143,12 @@ class Cluster:
                 path,
                 method,
                 query_params=query or [],
-                header_params={"Accept": JSON, "Content-Type": content_type},
+                header_params={"Accept": "*/*" if text else JSON, "Content-Type": content_type},
                 body=body,
                 auth_settings=["BearerToken"],
                 response_types_map={200: "object", 201: "object", 202: "object"},
+                # The client would parse a text body that happens to be JSON; take it raw.
+                _preload_content=not text,
                 _return_http_data_only=True,
                 _request_timeout=self._timeout,
             )
@@ -140,6 +156,8 @@ class Cluster:
             raise _api_error(exc, what) from None
         except (OSError, TimeoutError) as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "no answer", what) from None
+        if text:
+            return await _text_of(result, what)
         return dict(result or {})
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -222,6 +240,18 @@ class Cluster:
             body={"status": {"conditions": [dict(c) for c in conditions]}},
             content_type=STRATEGIC_MERGE_PATCH,
         )
+
+    async def pod_log_tail(self, namespace: str, name: str, container: str, lines: int) -> str:
+        """The last `lines` lines of a container's log (pods/log)."""
+        self._count("get-log", POD)
+        result: str = await self._call(
+            "GET",
+            POD.path(namespace, name) + "/log",
+            f"get Pod {name} log",
+            query=[("container", container), ("tailLines", str(lines))],
+            text=True,
+        )
+        return result
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """Record an events.k8s.io/v1 Event."""

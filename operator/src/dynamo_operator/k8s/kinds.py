@@ -38,6 +38,8 @@ ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings
 POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 POD = Kind("v1", "Pod", "pods")
+PERSISTENT_VOLUME_CLAIM = Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+JOB = Kind("batch/v1", "Job", "jobs")
 EVENT = Kind("events.k8s.io/v1", "Event", "events")
 LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 DYNAMO_WORKER = Kind(API_VERSION, "DynamoWorker", "dynamoworkers")
@@ -57,6 +59,8 @@ ALL = (
     POD_MONITOR,
     NETWORK_POLICY,
     POD,
+    PERSISTENT_VOLUME_CLAIM,
+    JOB,
     EVENT,
     DYNAMO_WORKER,
     LORA_ADAPTER,

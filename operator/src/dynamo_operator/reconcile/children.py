@@ -28,8 +28,9 @@ from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import Cluster
 
 ChildKey = tuple[str, str, str]  # (kind, namespace, name)
-# The status a reconcile reads: a Deployment's (replica counts, rollout conditions).
-_STATUS_READ = {kinds.DEPLOYMENT.kind}
+# The status a reconcile reads: a Deployment's (replica counts, rollout conditions), the model
+# cache's claim (bound or lost) and fill Job (complete or failed).
+_STATUS_READ = {kinds.DEPLOYMENT.kind, kinds.PERSISTENT_VOLUME_CLAIM.kind, kinds.JOB.kind}
 
 
 @dataclass(frozen=True)

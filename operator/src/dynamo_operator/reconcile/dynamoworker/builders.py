@@ -22,6 +22,7 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     common_labels,
     deployment_name,
     frontend_selector_labels,
+    model_cache_claim_name,
     network_policy_name,
     pdb_name,
     pod_monitor_name,
@@ -46,6 +47,7 @@ ADMIN_REVIEW_RULE: Manifest = {
     "verbs": ["create"],
 }
 VOLUME_SHM, VOLUME_CACHE, VOLUME_LORA = "shm", "cache", "lora-cache"
+VOLUME_MODEL_CACHE = "model-cache"
 
 
 def _worker_env(dw: DynamoWorker) -> list[Manifest]:
@@ -83,43 +85,17 @@ def _worker_env(dw: DynamoWorker) -> list[Manifest]:
         (Env.HF_HOME, wi.HF_HOME_PATH),
         (Env.MODEL_CACHE, wi.MODEL_CACHE_PATH),
     ]
+    if spec.model.cache is not None:
+        # Load from the filled cache or fail naming it: never a download per pod.
+        plain.append((Env.MODEL_CACHE_REQUIRED, "true"))
     env: list[Manifest] = [{"name": str(name), "value": value} for name, value in plain]
     env += m.downward_env()
-    env += _credential_env(spec)
+    env += m.credential_env(spec)
     return env
 
 
 def _bool(value: bool) -> str:
     return "true" if value else "false"
-
-
-def _secret_env(name: str, secret: str, key: str) -> Manifest:
-    # Only the reference travels: the kubelet reads the Secret when it starts the container.
-    return {"name": str(name), "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
-
-
-def _credential_env(spec: DynamoWorkerSpec) -> list[Manifest]:
-    credentials = spec.credentials
-    if credentials is None:
-        return []
-    env: list[Manifest] = []
-    s3 = credentials.s3
-    if s3 is not None:
-        env.append(_secret_env(Env.AWS_ACCESS_KEY_ID, s3.secret_name, s3.access_key_id_key))
-        env.append(_secret_env(Env.AWS_SECRET_ACCESS_KEY, s3.secret_name, s3.secret_access_key_key))
-        if s3.session_token_key is not None:
-            env.append(_secret_env(Env.AWS_SESSION_TOKEN, s3.secret_name, s3.session_token_key))
-        if s3.endpoint is not None:
-            env.append({"name": str(Env.AWS_ENDPOINT_URL), "value": s3.endpoint})
-            if s3.endpoint.startswith("http://"):
-                # The downloader refuses plain HTTP unless told; the user chose this endpoint.
-                env.append({"name": str(Env.AWS_ALLOW_HTTP), "value": "true"})
-        if s3.region is not None:
-            env.append({"name": str(Env.AWS_REGION), "value": s3.region})
-    hf = credentials.hugging_face
-    if hf is not None:
-        env.append(_secret_env(Env.HF_TOKEN, hf.secret_name, hf.token_key))
-    return env
 
 
 def _resources(spec: DynamoWorkerSpec) -> Manifest:
@@ -141,7 +117,7 @@ def _resources(spec: DynamoWorkerSpec) -> Manifest:
     return out
 
 
-def _volumes(spec: DynamoWorkerSpec) -> tuple[list[Manifest], list[Manifest]]:
+def _volumes(worker: str, spec: DynamoWorkerSpec) -> tuple[list[Manifest], list[Manifest]]:
     volumes: list[Manifest] = [
         {
             "name": VOLUME_SHM,
@@ -172,6 +148,19 @@ def _volumes(spec: DynamoWorkerSpec) -> tuple[list[Manifest], list[Manifest]]:
             source = {"emptyDir": empty_dir}
         volumes.append({"name": VOLUME_LORA, **source})
         mounts.append({"name": VOLUME_LORA, "mountPath": wi.LORA_PATH})
+    model_cache = spec.model.cache
+    if model_cache is not None:
+        # Read-only: the fill Job is the one writer; the pods only load their key's directory.
+        claim = model_cache_claim_name(worker, model_cache.claim_name)
+        volumes.append(
+            {
+                "name": VOLUME_MODEL_CACHE,
+                "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
+            }
+        )
+        mounts.append(
+            {"name": VOLUME_MODEL_CACHE, "mountPath": wi.MODEL_CACHE_PATH, "readOnly": True}
+        )
     return volumes, mounts
 
 
@@ -205,7 +194,7 @@ def desired_deployment(
     spec = dw.spec
     env = _worker_env(dw)
     env += m.user_env(spec.pod, "spec.pod", {e["name"] for e in env})
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(worker, spec)
     container: Manifest = {
         "name": wi.CONTAINER_NAME,
         "image": worker_image(dw, settings),
@@ -380,12 +369,17 @@ def desired_network_policy(dw: DynamoWorker, settings: ReconcileSettings) -> Man
 
 
 def desired_children(
-    dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
+    dw: DynamoWorker,
+    settings: ReconcileSettings,
+    *,
+    adapters_gate: bool = False,
+    hold_deployment: bool = False,
 ) -> list[Manifest]:
     """Every child the worker should have, in apply order: identity and permissions before
     the pods that use them, the NetworkPolicy before the pods it isolates (unless
     spec.networkPolicy.enabled is false). The PodMonitor only when its CRD exists; the
-    frontend's children last (when spec.frontend is set)."""
+    frontend's children last (when spec.frontend is set). `hold_deployment` leaves the worker
+    Deployment out, neither made nor changed (while the model cache fills for a new source)."""
     children = [
         desired_service_account(dw),
         desired_role(dw),
@@ -395,7 +389,8 @@ def desired_children(
     ]
     if dw.spec.network_policy.enabled:  # before the pods, so they start isolated
         children.append(desired_network_policy(dw, settings))
-    children.append(desired_deployment(dw, settings, adapters_gate=adapters_gate))
+    if not hold_deployment:
+        children.append(desired_deployment(dw, settings, adapters_gate=adapters_gate))
     if m.wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
         children.append(desired_pod_monitor(dw))
     return children + desired_frontend_children(dw, settings)

@@ -41,6 +41,8 @@ def common_labels(worker: str) -> dict[str, str]:
 FRONTEND_LABEL = f"{PREFIX}frontend"
 # On the operator's own pods (the chart sets it): the worker pods' NetworkPolicy admits them.
 OPERATOR_LABEL = f"{PREFIX}operator"
+# On the pods of the fill and prune Jobs of spec.model.cache (value: the DynamoWorker).
+CACHE_POD_LABEL = f"{PREFIX}model-cache"
 
 
 def frontend_labels(worker: str) -> dict[str, str]:
@@ -96,6 +98,40 @@ def service_account_name(worker: str) -> str:
 def frontend_name(worker: str) -> str:
     """The frontend's Deployment, Service, ServiceAccount, Role and RoleBinding."""
     return f"{worker}-frontend"
+
+
+def model_cache_claim_name(worker: str, existing: str | None = None) -> str:
+    """The PersistentVolumeClaim of spec.model.cache: the existing one it names (claimName),
+    else the one the operator creates."""
+    return existing or f"{worker}-model-cache"
+
+
+# The fill and prune Jobs' names carry this many hex digits of the cache key: with the longest
+# worker name (50) and "-prune-", a name stays a valid label value (63), which the Job
+# controller puts on their pods.
+FILL_KEY_DIGITS = 6
+
+
+def fill_job_name(worker: str, key: str) -> str:
+    """The Job that fills the model cache for the cache key `key`."""
+    return f"{worker}-fill-{key[:FILL_KEY_DIGITS]}"
+
+
+def prune_job_name(worker: str, key: str) -> str:
+    """The Job that removes every cache directory but `key`'s from the operator's claim."""
+    return f"{worker}-prune-{key[:FILL_KEY_DIGITS]}"
+
+
+def cache_pod_labels(worker: str) -> dict[str, str]:
+    """Labels of the model cache Jobs' pods: not the worker label, so nothing takes them for
+    workers."""
+    return {
+        "app.kubernetes.io/name": "dynamo-model-cache",
+        "app.kubernetes.io/instance": worker,
+        "app.kubernetes.io/part-of": PART_OF,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        CACHE_POD_LABEL: worker,
+    }
 
 
 def owner_reference(name: str, uid: str) -> dict[str, object]:

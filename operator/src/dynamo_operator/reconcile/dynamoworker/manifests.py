@@ -12,6 +12,7 @@ from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerSpec
 from dynamo_operator.api.pod import PodOverrides
 from dynamo_operator.pods import routes
 from dynamo_operator.reconcile.dynamoworker import interface as wi
+from dynamo_operator.reconcile.dynamoworker.interface import Env
 from dynamo_operator.reconcile.dynamoworker.labels import common_labels, owner_reference
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.errors import SpecError
@@ -43,6 +44,36 @@ def object_metadata(
         "labels": {**common_labels(worker), **(extra_labels or {})},
         "ownerReferences": [owner_reference(worker, uid)],
     }
+
+
+def secret_env(name: str, secret: str, key: str) -> Manifest:
+    # Only the reference travels: the kubelet reads the Secret when it starts the container.
+    return {"name": str(name), "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def credential_env(spec: DynamoWorkerSpec) -> list[Manifest]:
+    """The env of spec.credentials: Secret references and the S3 endpoint settings."""
+    credentials = spec.credentials
+    if credentials is None:
+        return []
+    env: list[Manifest] = []
+    s3 = credentials.s3
+    if s3 is not None:
+        env.append(secret_env(Env.AWS_ACCESS_KEY_ID, s3.secret_name, s3.access_key_id_key))
+        env.append(secret_env(Env.AWS_SECRET_ACCESS_KEY, s3.secret_name, s3.secret_access_key_key))
+        if s3.session_token_key is not None:
+            env.append(secret_env(Env.AWS_SESSION_TOKEN, s3.secret_name, s3.session_token_key))
+        if s3.endpoint is not None:
+            env.append({"name": str(Env.AWS_ENDPOINT_URL), "value": s3.endpoint})
+            if s3.endpoint.startswith("http://"):
+                # The downloader refuses plain HTTP unless told; the user chose this endpoint.
+                env.append({"name": str(Env.AWS_ALLOW_HTTP), "value": "true"})
+        if s3.region is not None:
+            env.append({"name": str(Env.AWS_REGION), "value": s3.region})
+    hf = credentials.hugging_face
+    if hf is not None:
+        env.append(secret_env(Env.HF_TOKEN, hf.secret_name, hf.token_key))
+    return env
 
 
 def wants_pod_monitor(spec: DynamoWorkerSpec, settings: ReconcileSettings) -> bool:

@@ -34,11 +34,29 @@ from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter,
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
 from dynamo_operator.reconcile.dynamoworker.labels import (
     deployment_name,
+    fill_job_name,
     frontend_name,
+    model_cache_claim_name,
     network_policy_name,
     pod_monitor_name,
 )
-from dynamo_operator.reconcile.dynamoworker.manifests import wants_pod_monitor
+from dynamo_operator.reconcile.dynamoworker.manifests import identity, wants_pod_monitor
+from dynamo_operator.reconcile.dynamoworker.model_cache import (
+    CACHE_CONTAINER,
+    JOB_NAME_LABEL,
+    PROGRESS_POLL_SECONDS,
+    CacheState,
+    attempt_of,
+    cache_key,
+    cache_state,
+    desired_claim,
+    desired_fill_job,
+    desired_prune_job,
+    is_complete,
+    rolled_out,
+    running_fill_pod,
+    stale_key,
+)
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.dynamoworker.status import (
@@ -54,6 +72,8 @@ from dynamo_operator.reconcile.status_writer import StatusWriter
 logger = logging.getLogger(__name__)
 
 CRD_CHECK_INTERVAL_SECONDS = 60.0
+# Lines of a fill pod's log read for its progress (the last progress line is among them).
+PROGRESS_LINES = 3
 # The kinds of the frontend's children, in deletion order (see `desired_frontend_children`).
 FRONTEND_KINDS = (
     kinds.DEPLOYMENT,
@@ -92,6 +112,16 @@ def _spec_error_text(err: ValidationError) -> str:
         where = ".".join(str(p) for p in item["loc"])
         parts.append(f"{where}: {item['msg']}" if where else str(item["msg"]))
     return "the spec is invalid: " + "; ".join(parts)
+
+
+def _cache_wake(cache: CacheState | None, now: datetime) -> float | None:
+    """When to look at the model cache's fill again: soon while it runs (its progress), at the
+    retry time when it failed."""
+    if cache is None or cache.ready:
+        return None
+    if cache.retry_at is not None:
+        return max(1.0, (cache.retry_at - now).total_seconds())
+    return PROGRESS_POLL_SECONDS
 
 
 def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -182,7 +212,11 @@ class WorkerReconciler:
             # only keep them from ever serving.
             required = ()
         try:
-            children = desired_children(dw, settings, adapters_gate=bool(required))
+            cache = await self._model_cache(dw, settings, index)
+            hold = cache is not None and not cache.ready
+            children = desired_children(
+                dw, settings, adapters_gate=bool(required), hold_deployment=hold
+            )
             desired = [stamped(m) for m in children]
         except SpecError as err:
             return await self._write_status(
@@ -214,6 +248,12 @@ class WorkerReconciler:
             if manifest["kind"] == "Deployment":
                 deployments[manifest["metadata"]["name"]] = result.live
         await self._remove_unwanted(dw, settings, desired, index)
+        worker = dw.metadata.name or ""
+        if hold:
+            # Held while the cache fills: not applied, but its state is still the status's.
+            deployments[deployment_name(worker)] = await self.children.live(
+                index, kinds.DEPLOYMENT, dw.metadata.namespace or "", deployment_name(worker)
+            )
 
         await self._sync_gates(dw, pods, required, transient)
         failures: dict[str, str] = {}
@@ -221,7 +261,8 @@ class WorkerReconciler:
             failures = self.taints.sync(
                 dw.metadata.namespace, dw.metadata.name, dw.spec.model_taints, pods, metadata
             )
-        worker = dw.metadata.name or ""
+        if cache is not None and cache.ready:
+            cache = await self._prune(dw, settings, cache, deployments, index)
         observed = WorkerObservation(
             now=self.clock(),
             deployment=deployments.get(deployment_name(worker)),
@@ -233,11 +274,138 @@ class WorkerReconciler:
             pod_monitor_unavailable=(
                 wants_pod_monitor(dw.spec, settings) and not settings.pod_monitor_crd
             ),
+            model_cache=cache,
         )
         outcome = await self._write_status(dw, meta, raw_status, observed, applied=applied)
         if transient:
             raise TransientError("; ".join(transient))
+        wake = _cache_wake(cache, self.clock())
+        if wake is not None and (outcome.wake_in_seconds is None or wake < outcome.wake_in_seconds):
+            outcome = replace(outcome, wake_in_seconds=wake)
         return outcome
+
+    async def _model_cache(
+        self, dw: DynamoWorker, settings: ReconcileSettings, index: ChildIndex | None
+    ) -> CacheState | None:
+        """Make sure the current source's fill has what it needs (the claim, when the
+        operator owns it, and the fill Job, replaced once its retry delay is over), and say
+        where it stands. None without spec.model.cache."""
+        cache = dw.spec.model.cache
+        if cache is None:
+            return None
+        worker, namespace, _ = identity(dw)
+        claim_manifest = desired_claim(dw)
+        if claim_manifest is not None:
+            claim = await self._converge_child(stamped(claim_manifest), index)
+        else:
+            # The user's claim carries none of our labels, so no watch holds it.
+            claim = await self._get(
+                kinds.PERSISTENT_VOLUME_CLAIM,
+                namespace,
+                model_cache_claim_name(worker, cache.claim_name),
+            )
+        key = cache_key(dw.spec.model.source)
+        job_name = fill_job_name(worker, key)
+        job = await self._read_child(kinds.JOB, namespace, job_name, index)
+        if job is None and claim is not None:
+            job = await self._converge_child(stamped(desired_fill_job(dw, settings, 1)), index)
+        pods: list[dict[str, Any]] = []
+        log_tail = None
+        if job is not None and not is_complete(job):
+            pods = await self._get_list(kinds.POD, namespace, f"{JOB_NAME_LABEL}={job_name}")
+            running = running_fill_pod(pods)
+            if running is not None:
+                log_tail = await self._log_tail(namespace, running)
+        now = self.clock()
+        state = cache_state(dw, claim=claim, job=job, fill_pods=pods, log_tail=log_tail, now=now)
+        if job is not None and state.retry_at is not None and state.retry_at <= now:
+            # Replace the failed Job (its pods go with it), counting the attempt on.
+            await self._delete_job(namespace, job)
+            retry = stamped(desired_fill_job(dw, settings, attempt_of(job) + 1))
+            job = await self._converge_child(retry, index)
+            state = cache_state(dw, claim=claim, job=job, now=now)
+        return state
+
+    async def _prune(
+        self,
+        dw: DynamoWorker,
+        settings: ReconcileSettings,
+        cache: CacheState,
+        deployments: Mapping[str, dict[str, Any] | None],
+        index: ChildIndex | None,
+    ) -> CacheState:
+        """Remove an earlier source's directory from the operator's claim (a prune Job) once
+        every pod runs the current source; `cache` with the stale key it still awaits."""
+        stale = stale_key(dw)
+        worker, namespace, _ = identity(dw)
+        if stale is None or stale == cache.key:
+            return replace(cache, stale_key=None)
+        if not rolled_out(dw, deployments.get(deployment_name(worker))):
+            return replace(cache, stale_key=stale)
+        try:
+            job = await self._converge_child(stamped(desired_prune_job(dw, settings)), index)
+        except SpecError as err:  # the pods serve meanwhile: a leftover directory can wait
+            logger.warning("DynamoWorker %s/%s: cannot prune the cache: %s", namespace, worker, err)
+            return replace(cache, stale_key=stale)
+        if job is None or not is_complete(job):
+            return replace(cache, stale_key=stale)
+        # Done: the Job goes too, so that a later change back to this source prunes again.
+        await self._delete_job(namespace, job)
+        return replace(cache, stale_key=None)
+
+    async def _delete_job(self, namespace: str, job: Mapping[str, Any]) -> None:
+        """Delete a Job of the model cache (its pods go with it)."""
+        name = job["metadata"]["name"]
+        try:
+            await self.cluster.delete(kinds.JOB, namespace, name, job["metadata"]["uid"])
+        except ApiError as err:
+            raise TransientError(str(err)) from err
+        self.children.wrote(kinds.JOB, namespace, name, None)
+
+    async def _read_child(
+        self, kind: kinds.Kind, namespace: str, name: str, index: ChildIndex | None
+    ) -> dict[str, Any] | None:
+        try:
+            return await self.children.live(index, kind, namespace, name)
+        except ApiError as err:
+            raise TransientError(str(err)) from err
+
+    async def _converge_child(
+        self, manifest: dict[str, Any], index: ChildIndex | None
+    ) -> dict[str, Any] | None:
+        """Apply one child if its live copy differs; the live object after it."""
+        meta = manifest["metadata"]
+        live = await self._read_child(
+            kinds.kind_of(manifest), meta["namespace"], meta["name"], index
+        )
+        result = await self._converge(manifest, live)
+        if result.error is not None:
+            if result.error.retryable:
+                raise TransientError(str(result.error))
+            raise SpecError(f"{manifest['kind']} {meta['name']}: {result.error.message}")
+        return result.live
+
+    async def _get(self, kind: kinds.Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.cluster.get(kind, namespace, name)
+        except ApiError as err:
+            raise TransientError(str(err)) from err
+
+    async def _get_list(
+        self, kind: kinds.Kind, namespace: str, selector: str
+    ) -> list[dict[str, Any]]:
+        try:
+            return await self.cluster.list(kind, namespace, selector)
+        except ApiError as err:
+            raise TransientError(str(err)) from err
+
+    async def _log_tail(self, namespace: str, pod: str) -> str | None:
+        """The fill's last lines; None when they cannot be read (progress is only a nicety)."""
+        try:
+            return await self.cluster.pod_log_tail(namespace, pod, CACHE_CONTAINER, PROGRESS_LINES)
+        except ApiError as err:
+            logger.debug("cannot read the log of fill pod %s/%s: %s", namespace, pod, err)
+            return None
 
     async def _settings(self) -> ReconcileSettings:
         try:

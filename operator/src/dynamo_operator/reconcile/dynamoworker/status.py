@@ -28,6 +28,7 @@ from dynamo_operator.api.dynamoworker import (
     DynamoWorker,
     DynamoWorkerStatus,
     FrontendStatus,
+    ModelCacheStatus,
     PublishedTokenBudget,
     WorkerPodStatus,
 )
@@ -38,6 +39,7 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     deployment_name,
     selector_string,
 )
+from dynamo_operator.reconcile.dynamoworker.model_cache import CachePhase, CacheState
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodProblem, PodSummary
 
 
@@ -51,7 +53,8 @@ class WorkerObservation:
     refusals of children (one line each, naming the child). `taint_failures` maps a pod name
     to why pushing spec.modelTaints to it failed. `pod_monitor_unavailable` is set when a
     PodMonitor is asked for and its CRD is missing. `spec_error` is set when the spec cannot
-    be turned into children (its message names the field).
+    be turned into children (its message names the field). `model_cache` is the fill of the
+    current source when spec.model.cache is set.
     """
 
     now: datetime
@@ -63,6 +66,7 @@ class WorkerObservation:
     taint_failures: Mapping[str, str] = field(default_factory=dict)
     pod_monitor_unavailable: bool = False
     spec_error: str | None = None
+    model_cache: CacheState | None = None
 
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
@@ -131,6 +135,14 @@ def _ready(
     t = ConditionType.READY
     if observed.spec_error is not None:
         return WantedCondition(t, "False", "InvalidSpec", observed.spec_error)
+    cache = observed.model_cache
+    if observed.deployment is None and cache is not None and not cache.ready:
+        return WantedCondition(
+            t,
+            "False",
+            "WaitingForModelCache",
+            "the pods start once the model is in the cache; see the ModelCached condition",
+        )
     if observed.deployment is None:
         if observed.child_errors:
             return WantedCondition(
@@ -186,6 +198,9 @@ def _progressing(
         return WantedCondition(
             t, "False", "InvalidSpec", "nothing is rolled out until the spec is fixed"
         )
+    cache = observed.model_cache
+    if cache is not None and cache.phase is CachePhase.FILLING:
+        return WantedCondition(t, "True", "FillingModelCache", cache.message)
     if observed.deployment is None:
         return WantedCondition(t, "True", "Creating", "creating the worker Deployment")
     stalled = _deployment_condition(observed.deployment, "Progressing")
@@ -299,6 +314,9 @@ def _degraded(observed: WorkerObservation, pods: Sequence[PodSummary]) -> Wanted
         return WantedCondition(t, "True", "InvalidSpec", observed.spec_error)
     if observed.child_errors:
         return WantedCondition(t, "True", "ApplyFailed", "; ".join(observed.child_errors))
+    cache = observed.model_cache
+    if cache is not None and cache.phase in (CachePhase.FILL_FAILED, CachePhase.VOLUME_UNAVAILABLE):
+        return WantedCondition(t, "True", cache.phase.value, cache.message)
     failing = _deployment_failure(observed.deployment)
     if failing is not None:
         reason, detail = failing
@@ -354,6 +372,16 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
         _progressing(name, generation, desired, counts, observed),
         _degraded(observed, pods),
     ]
+    cache = observed.model_cache
+    if cache is not None:
+        wanted.append(
+            WantedCondition(
+                ConditionType.MODEL_CACHED,
+                "True" if cache.ready else "False",
+                cache.phase.value,
+                cache.message,
+            )
+        )
     existing = dw.status.conditions if dw.status is not None else []
     conditions = apply_conditions(existing, wanted, generation=generation, at=observed.now)
     status = DynamoWorkerStatus(
@@ -365,6 +393,17 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
         conditions=conditions,
         pods=[_pod_status(p, observed.metadata.get(p.name)) for p in pods],
         frontend=_frontend_status(dw, observed) if frontend is not None else None,
+        model_cache=(
+            ModelCacheStatus(
+                key=cache.key,
+                claim_name=cache.claim,
+                bytes_done=cache.bytes_done,
+                bytes_total=cache.bytes_total,
+                stale_key=cache.stale_key,
+            )
+            if cache is not None
+            else None
+        ),
     )
     return status.to_dict()
 
