@@ -297,7 +297,7 @@ def cli_reference() -> str:
     """docs/reference/cli.md, from the parsers themselves."""
     from dynamo.engines import sample, transformers_engine, worker_args
     from dynamo.runtime import cli as worker_cli
-    from dynamo.runtime import settings
+    from dynamo.runtime import model_cache_cli, settings
     from dynamo_operator import cli as operator_cli
 
     worker_env = {"--" + dest.replace("_", "-"): name for dest, name in worker_cli._ENV_FOR.items()}
@@ -325,7 +325,7 @@ def cli_reference() -> str:
             "dynamo_operator.cli"
         ),
         "# Command lines and environment\n",
-        "The options of the two programs, read from their parsers. A default shown is the one "
+        "The options of the programs, read from their parsers. A default shown is the one "
         "with no environment set: where an option has an environment variable, the variable "
         "sets its default and the flag wins.\n",
     ]
@@ -373,13 +373,25 @@ def cli_reference() -> str:
         skip_dests=shared_dests,
     )
     out += _parser_section("dynamo-operator", operator, operator_env, with_env=False)
-    subparsers = next(a for a in operator._actions if isinstance(a, argparse._SubParsersAction))
-    for name, sub in subparsers.choices.items():
+    for name, sub in _subcommands(operator).items():
         section = _parser_section(f"dynamo-operator {name}", sub, operator_env, with_env=True)
         if len(section) == 2:
             section.append("It takes no options.\n")
         out += section
+    cache_cli = _subcommands(model_cache_cli.build_parser())
+    for name, sub in cache_cli.items():
+        out += _parser_section(f"dynamo-model-cache {name}", sub, {}, with_env=False)
+    out.append(
+        "`dynamo-model-cache` is what the operator's Jobs run for spec.model.cache: exit 0 when "
+        "done, 1 on a failure a retry may cure, 2 on one it cannot (the Job then fails at "
+        "once).\n"
+    )
     return "\n".join(out).rstrip() + "\n"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
 
 
 # --- metrics --------------------------------------------------------------------------------
