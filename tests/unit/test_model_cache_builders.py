@@ -223,7 +223,10 @@ def test_the_fill_states() -> None:
     assert "25 of 100 bytes (25%)" in filling.message
 
     complete = job([{"type": "Complete", "status": "True"}])
-    assert cache_state(dw, claim=claim, job=complete, now=NOW).ready
+    total = '{"bytesDone": 100, "bytesTotal": 100, "complete": true}'
+    ready = cache_state(dw, claim=claim, job=complete, log_tail=total, now=NOW)
+    assert ready.ready
+    assert ready.bytes_total == 100
 
     failed_at = NOW - timedelta(seconds=10)
     failed = job(

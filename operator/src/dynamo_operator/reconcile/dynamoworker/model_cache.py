@@ -286,11 +286,13 @@ def _unschedulable(pods: Sequence[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def running_fill_pod(pods: Sequence[Mapping[str, Any]]) -> str | None:
-    """The fill pod whose log holds the progress: the running one."""
-    for pod in pods:
-        if (pod.get("status") or {}).get("phase") == "Running":
-            return str((pod.get("metadata") or {}).get("name"))
+def progress_pod(pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """The fill pod whose log holds the progress: the running one, else the one that
+    succeeded (its last line has the total)."""
+    for phase in ("Running", "Succeeded"):
+        for pod in pods:
+            if (pod.get("status") or {}).get("phase") == phase:
+                return str((pod.get("metadata") or {}).get("name"))
     return None
 
 
@@ -362,7 +364,13 @@ def cache_state(
     if job is None:
         return state(CachePhase.FILLING, f"starting the fill of {source}")
     if is_complete(job):
-        return state(CachePhase.READY, f"{source} is in the cache (claim {claim_}, {key}/)")
+        done, total = parse_progress(log_tail)
+        return state(
+            CachePhase.READY,
+            f"{source} is in the cache (claim {claim_}, {key}/)",
+            bytes_done=done,
+            bytes_total=total,
+        )
     failed = _job_condition(job, "Failed")
     if failed is not None:
         attempt = attempt_of(job)

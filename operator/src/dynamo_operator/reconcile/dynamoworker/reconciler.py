@@ -53,8 +53,8 @@ from dynamo_operator.reconcile.dynamoworker.model_cache import (
     desired_fill_job,
     desired_prune_job,
     is_complete,
+    progress_pod,
     rolled_out,
-    running_fill_pod,
     stale_key,
 )
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
@@ -309,15 +309,23 @@ class WorkerReconciler:
         job = await self._read_child(kinds.JOB, namespace, job_name, index)
         if job is None and claim is not None:
             job = await self._converge_child(stamped(desired_fill_job(dw, settings, 1)), index)
+        reported = dw.status.model_cache if dw.status is not None else None
+        if reported is not None and reported.key != key:
+            reported = None
         pods: list[dict[str, Any]] = []
         log_tail = None
-        if job is not None and not is_complete(job):
+        # The fill pods are read while the Job runs, and once after it succeeds for the total.
+        if job is not None and (
+            not is_complete(job) or reported is None or reported.bytes_total is None
+        ):
             pods = await self._get_list(kinds.POD, namespace, f"{JOB_NAME_LABEL}={job_name}")
-            running = running_fill_pod(pods)
-            if running is not None:
-                log_tail = await self._log_tail(namespace, running)
+            logged = progress_pod(pods)
+            if logged is not None:
+                log_tail = await self._log_tail(namespace, logged)
         now = self.clock()
         state = cache_state(dw, claim=claim, job=job, fill_pods=pods, log_tail=log_tail, now=now)
+        if state.ready and state.bytes_total is None and reported is not None:
+            state = replace(state, bytes_done=reported.bytes_done, bytes_total=reported.bytes_total)
         if job is not None and state.retry_at is not None and state.retry_at <= now:
             # Replace the failed Job (its pods go with it), counting the attempt on.
             await self._delete_job(namespace, job)
