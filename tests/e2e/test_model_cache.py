@@ -123,7 +123,9 @@ async def test_weights_are_fetched_once_per_cluster(
                 },
                 "replicas": 4,
                 "engine": {"name": "transformers"},
-                "resources": {"gpusPerPod": 1, "memory": "2Gi"},
+                # No GPU: the kubelet node's 8 fake ones may still be held by an earlier
+                # test's pods as they drain.
+                "resources": {"gpusPerPod": 0, "memory": "2Gi"},
                 "credentials": {"s3": s3},
                 "pod": ON_THE_NODE,
             }
