@@ -32,7 +32,6 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     fill_job_name,
     model_cache_claim_name,
     prune_job_name,
-    service_account_name,
 )
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 
@@ -101,8 +100,8 @@ def _cache_job(
     annotations: dict[str, str],
 ) -> Manifest:
     """A Job of `dynamo-model-cache <args>` on the cache volume. The pod runs the worker image
-    as the worker pods do (same identity, security context and scheduling, so a
-    ReadWriteOnce volume lands on their node), with no API token."""
+    as the worker pods do (same user, security context and scheduling, so a ReadWriteOnce
+    volume lands on their node), with no API token."""
     cache = dw.spec.model.cache
     assert cache is not None
     worker, _, _ = m.identity(dw)
@@ -121,7 +120,8 @@ def _cache_job(
         container["imagePullPolicy"] = dw.spec.image_pull_policy
     claim = model_cache_claim_name(worker, cache.claim_name)
     pod_spec: Manifest = {
-        "serviceAccountName": service_account_name(worker),
+        # The namespace's default identity with no token: the Job may start before the
+        # workers' ServiceAccount exists, and needs no API at all.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "restartPolicy": "Never",
