@@ -76,7 +76,9 @@ also read: DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH, DYN_SYSTEM_STARTING_HEA
   DYN_CANARY_WAIT_TIME, DYN_HEALTH_CHECK_REQUEST_TIMEOUT, DYN_FORWARDPASS_METRIC_HOST,
   DYN_TCP_RPC_HOST, DYN_TCP_RPC_PORT, DYN_TCP_MAX_MESSAGE_SIZE, DYN_EVENT_PLANE_HOST,
   DYN_FILE_KV, POD_NAME/POD_NAMESPACE/POD_UID (kubernetes discovery), AWS_* and HF_* (LoRA
-  downloads).
+  and model downloads), DYN_MODEL_CACHE (where s3:// and hf:// models are cached) and
+  DYN_MODEL_CACHE_REQUIRED (true: load them only from a complete cache directory, never
+  download; the operator sets it with spec.model.cache).
 
 shutdown (SIGTERM/SIGINT): /health turns 503 and the worker leaves discovery at once; after
 the grace period new requests get 503; in-flight requests may finish within the drain
