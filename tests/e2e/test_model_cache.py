@@ -7,6 +7,8 @@ One DynamoWorker, in order:
 - the Secret fixed (nothing deleted): the next fill completes, 4 pods become Ready from the
   cache, a chat completion answers;
 - each model object was read from S3 exactly once, as the S3 server's own log counts it;
+- the source changed: the new one fills beside the old, the pods roll onto it, and the old
+  directory goes from the volume;
 - scaled to 6, nothing more is read from S3.
 """
 
@@ -35,6 +37,7 @@ from support.kubelet_release import (
 )
 from support.s3 import TESTBED_HOST, S3Server
 from support.s3_sigv4 import object_reads, sigv4_s3_server
+from support.testbed_kubectl import kubectl
 from support.tiny_model import TinyModel
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +46,7 @@ __all__ = ["images", "node_images"]
 WORKER = "cached"
 SERVED = "tiny-cached"
 BUCKET = "models"
-PREFIX = "base"
+PREFIX, NEW_PREFIX = "base", "base-v2"
 # Real container starts on 2 shared cores: the fill, then 4 workers at once.
 READY_WITHIN = 900
 
@@ -53,14 +56,15 @@ def model_bucket(tiny_model: TinyModel, tmp_path: Path) -> Iterator[S3Server]:
     """The tiny model in the signature-checking S3 server, on the test bed's host address."""
     with sigv4_s3_server(tmp_path / "s3", TESTBED_HOST) as s3:
         s3.client().create_bucket(Bucket=BUCKET)
-        s3.upload_dir(BUCKET, PREFIX, tiny_model.base)
+        for prefix in (PREFIX, NEW_PREFIX):
+            s3.upload_dir(BUCKET, prefix, tiny_model.base)
         yield s3
 
 
-def _model_objects(tiny_model: TinyModel) -> dict[str, int]:
-    """Each object's key, with its size."""
+def _model_objects(tiny_model: TinyModel, prefix: str = PREFIX) -> dict[str, int]:
+    """Each object's key under `prefix`, with its size."""
     return {
-        f"{PREFIX}/{p.relative_to(tiny_model.base).as_posix()}": p.stat().st_size
+        f"{prefix}/{p.relative_to(tiny_model.base).as_posix()}": p.stat().st_size
         for p in tiny_model.base.rglob("*")
         if p.is_file()
     }
@@ -85,6 +89,19 @@ def _is(status: str, reason: str | None = None) -> Any:
         return found is not None and found["status"] == status and reason in (None, found["reason"])
 
     return check
+
+
+async def _rolled_onto(api: client.ApiClient, namespace: str, old_key: str) -> bool:
+    """Whether every pod runs the new source, Ready, with the old key's directory pruned."""
+    status = await _status(api, namespace)
+    cache = status.get("modelCache") or {}
+    conditions = {c["type"]: c for c in status.get("conditions") or []}
+    return (
+        cache.get("key") not in (None, old_key)
+        and "staleKey" not in cache
+        and conditions.get("Progressing", {}).get("reason") == "RolloutComplete"
+        and conditions.get("Ready", {}).get("status") == "True"
+    )
 
 
 async def _ready_replicas(api: client.ApiClient, namespace: str) -> int:
@@ -160,11 +177,30 @@ async def test_weights_are_fetched_once_per_cluster(
             answer = await _chat(f"http://{pods[0].status.pod_ip}:8000/v1/chat/completions")
             assert answer["choices"][0]["message"]["content"]
 
+            # A new source: filled beside the old one, the pods roll onto it, the old goes.
+            old_key = status["modelCache"]["key"]
+            source = {"model": {"source": f"s3://{BUCKET}/{NEW_PREFIX}"}}
+            await custom.patch_namespaced_custom_object(
+                GROUP, VERSION, watched, "dynamoworkers", WORKER, {"spec": source}
+            )
+            await eventually(lambda: _rolled_onto(api, watched, old_key), READY_WITHIN, bool)
+            pods = await _worker_pods(api, watched)
+            new_key = (await _status(api, watched))["modelCache"]["key"]
+            listed = kubectl(
+                testbed, "-n", watched, "exec", pods[0].metadata.name, "--",
+                "ls", "-A", "/var/cache/dynamo/models",
+            )  # fmt: skip
+            assert listed.stdout.split() == [new_key], listed
+            reads = dict.fromkeys(objects, 1) | dict.fromkeys(
+                _model_objects(tiny_model, NEW_PREFIX), 1
+            )
+            assert object_reads(model_bucket) == reads
+
             # Scaled out: the new pods read the cache, not S3.
             await custom.patch_namespaced_custom_object(
                 GROUP, VERSION, watched, "dynamoworkers", WORKER, {"spec": {"replicas": 6}}
             )
             await eventually(lambda: _ready_replicas(api, watched), READY_WITHIN, (6).__eq__)
-            assert object_reads(model_bucket) == dict.fromkeys(objects, 1)
+            assert object_reads(model_bucket) == reads
         except AssertionError as err:
             raise AssertionError(f"{err}\n{state(testbed, release.home, watched)}") from None
