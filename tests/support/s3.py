@@ -49,6 +49,12 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
+    def put_files(self, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
+        """Put each of `files` (name: content) at `prefix/<name>` in `bucket`."""
+        s3 = self.client()
+        for name, content in files.items():
+            s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
+
     def upload_dir(self, bucket: str, prefix: str, root: Path) -> None:
         """Put every file below `root` at `prefix/<its path below root>` in `bucket`."""
         s3 = self.client()

@@ -26,12 +26,6 @@ def s3(lora_env: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> 
     return s3_server
 
 
-def upload(server: S3Server, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
-    client = server.client()
-    for name, content in files.items():
-        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
-
-
 @pytest.fixture
 def closed_port() -> str:
     """An endpoint on loopback where nothing listens (connections are refused)."""
@@ -50,7 +44,7 @@ async def test_cold_then_warm_download(
 ) -> None:
     bucket = s3.new_bucket()
     files = adapter_files() | {"nested/dir/tokenizer.json": b"{}", "README.md": b"# lora"}
-    upload(s3, bucket, "loras/mine", files)
+    s3.put_files(bucket, "loras/mine", files)
     uri = f"s3://{bucket}/loras/mine"
     manager = LoRAManager()
     assert not manager.is_cached(uri)
@@ -74,7 +68,7 @@ async def test_cold_then_warm_download(
 
 async def test_folder_placeholder_objects_are_skipped(s3: S3Server, lora_env: Path) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "p", adapter_files())
+    s3.put_files(bucket, "p", adapter_files())
     s3.client().put_object(Bucket=bucket, Key="p/folder/", Body=b"")
     result = await LoRAManager().download_lora(f"s3://{bucket}/p")
     assert result["status"] == "success"
@@ -85,7 +79,7 @@ async def test_folder_placeholder_objects_are_skipped(s3: S3Server, lora_env: Pa
 
 async def test_prefix_is_a_directory_not_a_string_prefix(s3: S3Server) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "lora-other", adapter_files())
+    s3.put_files(bucket, "lora-other", adapter_files())
     result = await LoRAManager().download_lora(f"s3://{bucket}/lora")
     assert result["reason"] == "not found"
     assert f"no objects found under s3://{bucket}/lora" in result["message"]
@@ -118,7 +112,7 @@ async def test_upstream_endpoint_variable_wins(
     s3: S3Server, closed_port: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "p", adapter_files())
+    s3.put_files(bucket, "p", adapter_files())
     monkeypatch.setenv("AWS_ENDPOINT_URL", closed_port)
     monkeypatch.setenv("AWS_ENDPOINT", s3.endpoint_url)
     assert (await LoRAManager().download_lora(f"s3://{bucket}/p"))["status"] == "success"
@@ -148,7 +142,7 @@ async def test_timeout(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_invalid_adapter_is_not_published(s3: S3Server, lora_env: Path) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "p", {"adapter_model.safetensors": b"x", "notes.txt": b"y"})
+    s3.put_files(bucket, "p", {"adapter_model.safetensors": b"x", "notes.txt": b"y"})
     result = await LoRAManager().download_lora(f"s3://{bucket}/p")
     assert result["reason"] == "invalid adapter"
     assert "has no adapter_config.json" in result["message"]
@@ -157,7 +151,7 @@ async def test_invalid_adapter_is_not_published(s3: S3Server, lora_env: Path) ->
 
 async def test_unfinished_entry_is_replaced(s3: S3Server, lora_env: Path) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "p", adapter_files())
+    s3.put_files(bucket, "p", adapter_files())
     key = f"s3__{bucket}_p"
     # A directory left by an interrupted download (no completion marker) and a stale temp dir.
     write_tree(lora_env / "cache" / key, {"adapter_config.json": b"partial"})
@@ -173,7 +167,7 @@ async def test_unfinished_entry_is_replaced(s3: S3Server, lora_env: Path) -> Non
 
 async def test_digest_checks(s3: S3Server, lora_env: Path) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "p", adapter_files(seed=1))
+    s3.put_files(bucket, "p", adapter_files(seed=1))
     uri = f"s3://{bucket}/p"
     key = f"s3__{bucket}_p"
     manager = LoRAManager()
@@ -191,7 +185,7 @@ async def test_digest_checks(s3: S3Server, lora_env: Path) -> None:
 
     # The source gets a new adapter under the same URI: asking for its digest re-fetches it;
     # asking for the old one keeps serving the cached copy.
-    upload(s3, bucket, "p", adapter_files(seed=2))
+    s3.put_files(bucket, "p", adapter_files(seed=2))
     digest_v2 = adapter_digest(write_tree(lora_env / "ref2", adapter_files(seed=2)))
     assert (await manager.download_lora_verified(uri, digest_v1))["status"] == "success"
     again = await manager.download_lora_verified(uri, digest_v2)
@@ -238,7 +232,7 @@ async def test_concurrent_callers_in_one_process_download_once(
     s3: S3Server, lora_env: Path
 ) -> None:
     bucket = s3.new_bucket()
-    upload(s3, bucket, "p", adapter_files())
+    s3.put_files(bucket, "p", adapter_files())
     manager = LoRAManager()
     results = await asyncio.gather(*(manager.download_lora(f"s3://{bucket}/p") for _ in range(6)))
     assert {r["status"] for r in results} == {"success"}

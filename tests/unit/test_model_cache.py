@@ -68,16 +68,10 @@ def s3_env(s3_server: S3Server, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def upload(server: S3Server, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
-    client = server.client()
-    for name, content in files.items():
-        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
-
-
 @pytest.fixture
 def source(s3_server: S3Server) -> str:
     bucket = s3_server.new_bucket("models")
-    upload(s3_server, bucket, "org/tiny", FILES)
+    s3_server.put_files(bucket, "org/tiny", FILES)
     return f"s3://{bucket}/org/tiny"
 
 
@@ -215,7 +209,7 @@ def test_a_wrong_secret_is_permanent(
     sigv4: S3Server, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
     bucket = sigv4.new_bucket("models")
-    upload(sigv4, bucket, "org/tiny", FILES)
+    sigv4.put_files(bucket, "org/tiny", FILES)
     source = f"s3://{bucket}/org/tiny"
     env = s3_env | sigv4.env | {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     cache = tmp_path / "cache"
