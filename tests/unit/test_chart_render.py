@@ -340,7 +340,13 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     # deleted when owned.
     assert "candidates.append((kinds.POD_MONITOR" in source
     assert "(kinds.NETWORK_POLICY, network_policy_name(name))" in source
-    for kind in (kinds.POD_MONITOR, kinds.NETWORK_POLICY, *FRONTEND_KINDS):
+    assert "(kinds.PERSISTENT_VOLUME_CLAIM, model_cache_claim_name(name))" in source
+    for kind in (
+        kinds.POD_MONITOR,
+        kinds.NETWORK_POLICY,
+        kinds.PERSISTENT_VOLUME_CLAIM,
+        *FRONTEND_KINDS,
+    ):
         group = kind.api_version.rpartition("/")[0]
         need |= {(group, kind.plural, v, ()) for v in ("get", "delete")}
     verbs = {

@@ -64,13 +64,14 @@ rules against the code.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# spec.model.cache: the claim the operator creates (size), watched and server-side applied,
-# and an existing claim (claimName) read to tell whether it exists; the fill Job of each
-# source, watched, created, and deleted to retry it after a failure (never patched: a Job's
-# pod template is immutable).
+# spec.model.cache: the claim the operator creates (size), watched, server-side applied, and
+# deleted when the spec stops asking for it; an existing claim (claimName) read to tell
+# whether it exists. The fill and prune Jobs, watched, created by server-side apply (never
+# applied again: a Job's pod template is immutable), and deleted to retry a failed fill or
+# once a prune is done.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

@@ -481,9 +481,10 @@ class WorkerReconciler:
         """Delete children this worker owns and no longer wants (not in `desired`): its
         NetworkPolicy when spec.networkPolicy is disabled, its
         PodMonitors when spec.metrics stops asking for them, the frontend's children when
-        spec.frontend goes. Only what may exist is read: PodMonitors when their CRD exists,
-        the frontend's children when status.frontend says they were made (it stays until
-        these deletes are done)."""
+        spec.frontend goes, the model cache's claim when spec.model.cache stops asking for it.
+        Only what may exist is read: PodMonitors when their CRD exists, the frontend's
+        children when status.frontend says they were made (it stays until these deletes are
+        done), the claim when status.modelCache does."""
         name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
         if not (name and namespace and uid):
             return
@@ -497,7 +498,13 @@ class WorkerReconciler:
             # Pods first: the Deployment goes before the identity its pods use.
             kinds_ = (kinds.POD_MONITOR, *FRONTEND_KINDS) if monitors else FRONTEND_KINDS
             candidates += [(kind, frontend_name(name)) for kind in kinds_]
-        wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        if dw.status is not None and dw.status.model_cache is not None:
+            # The claim the operator made for spec.model.cache, once the spec no longer asks
+            # for one (its pods keep it until they are gone: the API server protects a claim
+            # in use).
+            candidates.append((kinds.PERSISTENT_VOLUME_CLAIM, model_cache_claim_name(name)))
+        claim = desired_claim(dw)
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in [*desired, *filter(None, [claim])]}
         for kind, child in candidates:
             if (kind.kind, child) in wanted:
                 continue
