@@ -280,3 +280,14 @@ def test_status_reports_the_fill_and_holds_readiness() -> None:
     assert status.model_cache is not None
     assert (status.model_cache.bytes_done, status.model_cache.bytes_total) == (1, 4)
     assert status.model_cache.claim_name == "llm-model-cache"
+
+
+def test_the_condition_goes_with_the_cache() -> None:
+    dw = cached()
+    state = cache_state(dw, claim={}, job=job(), now=NOW)
+    with_cache = compute_status(dw, WorkerObservation(now=NOW, model_cache=state))
+    plain = stored(dynamo_worker())
+    plain.status = DynamoWorkerStatus.model_validate(with_cache)
+    without = compute_status(plain, WorkerObservation(now=NOW))
+    assert "ModelCached" not in [c["type"] for c in without["conditions"]]
+    assert "modelCache" not in without

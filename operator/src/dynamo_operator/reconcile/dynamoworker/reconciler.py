@@ -481,10 +481,11 @@ class WorkerReconciler:
         """Delete children this worker owns and no longer wants (not in `desired`): its
         NetworkPolicy when spec.networkPolicy is disabled, its
         PodMonitors when spec.metrics stops asking for them, the frontend's children when
-        spec.frontend goes, the model cache's claim when spec.model.cache stops asking for it.
+        spec.frontend goes, the model cache's claim when spec.model.cache stops asking for it,
+        and the fill Job of the source status last reported once it is not the current one.
         Only what may exist is read: PodMonitors when their CRD exists, the frontend's
         children when status.frontend says they were made (it stays until these deletes are
-        done), the claim when status.modelCache does."""
+        done), the claim and that Job when status.modelCache says so."""
         name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
         if not (name and namespace and uid):
             return
@@ -498,13 +499,19 @@ class WorkerReconciler:
             # Pods first: the Deployment goes before the identity its pods use.
             kinds_ = (kinds.POD_MONITOR, *FRONTEND_KINDS) if monitors else FRONTEND_KINDS
             candidates += [(kind, frontend_name(name)) for kind in kinds_]
-        if dw.status is not None and dw.status.model_cache is not None:
+        reported = dw.status.model_cache if dw.status is not None else None
+        if reported is not None:
             # The claim the operator made for spec.model.cache, once the spec no longer asks
             # for one (its pods keep it until they are gone: the API server protects a claim
-            # in use).
+            # in use), and the fill Job of a source no longer wanted, done or not.
             candidates.append((kinds.PERSISTENT_VOLUME_CLAIM, model_cache_claim_name(name)))
-        claim = desired_claim(dw)
-        wanted = {(m["kind"], m["metadata"]["name"]) for m in [*desired, *filter(None, [claim])]}
+            candidates.append((kinds.JOB, fill_job_name(name, reported.key)))
+        cache = dw.spec.model.cache
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        if cache is not None:
+            wanted.add((kinds.JOB.kind, fill_job_name(name, cache_key(dw.spec.model.source))))
+            if cache.claim_name is None:
+                wanted.add((kinds.PERSISTENT_VOLUME_CLAIM.kind, model_cache_claim_name(name)))
         for kind, child in candidates:
             if (kind.kind, child) in wanted:
                 continue

@@ -383,6 +383,8 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
             )
         )
     existing = dw.status.conditions if dw.status is not None else []
+    if cache is None:  # no cache (any more): its condition would only be stale
+        existing = [c for c in existing if c.type != ConditionType.MODEL_CACHED]
     conditions = apply_conditions(existing, wanted, generation=generation, at=observed.now)
     status = DynamoWorkerStatus(
         observed_generation=generation,
