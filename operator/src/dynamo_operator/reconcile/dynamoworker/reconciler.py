@@ -45,6 +45,7 @@ from dynamo_operator.reconcile.dynamoworker.model_cache import (
     CACHE_CONTAINER,
     JOB_NAME_LABEL,
     PROGRESS_POLL_SECONDS,
+    CachePhase,
     CacheState,
     attempt_of,
     cache_key,
@@ -74,6 +75,9 @@ logger = logging.getLogger(__name__)
 CRD_CHECK_INTERVAL_SECONDS = 60.0
 # Lines of a fill pod's log read for its progress (the last progress line is among them).
 PROGRESS_LINES = 3
+# How often a cache whose volume is unavailable is looked at again (its claim's changes wake
+# the worker too, when the operator made it).
+VOLUME_POLL_SECONDS = 30.0
 # The kinds of the frontend's children, in deletion order (see `desired_frontend_children`).
 FRONTEND_KINDS = (
     kinds.DEPLOYMENT,
@@ -121,6 +125,8 @@ def _cache_wake(cache: CacheState | None, now: datetime) -> float | None:
         return None
     if cache.retry_at is not None:
         return max(1.0, (cache.retry_at - now).total_seconds())
+    if cache.phase is CachePhase.VOLUME_UNAVAILABLE:
+        return VOLUME_POLL_SECONDS  # someone has to fix the claim: no hurry
     return PROGRESS_POLL_SECONDS
 
 
