@@ -1,5 +1,5 @@
 """The chart installed from the locally built images onto the test bed's kubelet node, for the
-tests that run what users run (tests/e2e/test_chart_real_images.py, test_model_cache.py).
+tests that run what users run (tests/e2e/test_chart_real_images.py, test_model_cache_on_node.py).
 
 `operator_release` installs one release watching one fresh namespace (both namespaces under
 the restricted Pod Security Standard) and uninstalls it after; `s3_credentials` puts an S3

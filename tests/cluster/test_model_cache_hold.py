@@ -1,6 +1,6 @@
 """spec.model.cache against the real API server, with the operator as a process and pods on
 the fake nodes (which run nothing, so no fill ever completes here; the fill itself runs on
-the kubelet node in tests/e2e/test_model_cache.py):
+the kubelet node in tests/e2e/test_model_cache_on_node.py):
 
 - the operator makes the claim and the fill Job, reports ModelCached=False, and makes no
   Deployment while the fill has not completed;
