@@ -46,6 +46,8 @@ from support.s3 import TESTBED_HOST, S3Server
 from support.s3_sigv4 import object_reads, sigv4_s3_server
 from support.tiny_model import TinyModel
 
+# kubernetes_asyncio would send a JSON patch for a dict body.
+MERGE_PATCH: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
 pytestmark = [pytest.mark.bench, pytest.mark.e2e]
 __all__ = ["images", "node_images"]
 
@@ -106,7 +108,13 @@ async def _deleted(api: client.ApiClient, namespace: str, name: str) -> None:
 
 async def _scale(api: client.ApiClient, namespace: str, name: str, replicas: int) -> None:
     await client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, "dynamoworkers", name, {"spec": {"replicas": replicas}}
+        GROUP,
+        VERSION,
+        namespace,
+        "dynamoworkers",
+        name,
+        {"spec": {"replicas": replicas}},
+        **MERGE_PATCH,
     )
 
 

@@ -40,6 +40,8 @@ from support.s3_sigv4 import object_reads, sigv4_s3_server
 from support.testbed_kubectl import kubectl
 from support.tiny_model import TinyModel
 
+# kubernetes_asyncio would send a JSON patch for a dict body.
+MERGE_PATCH: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
 pytestmark = pytest.mark.e2e
 __all__ = ["images", "node_images"]
 
@@ -131,7 +133,9 @@ async def test_weights_are_fetched_once_per_cluster(
             s3 = await s3_credentials(api, watched, model_bucket)
             right_secret = (await core.read_namespaced_secret(s3["secretName"], watched)).data
             wrong = {"AWS_SECRET_ACCESS_KEY": "bm90LXRoZS1rZXk="}  # base64 of "not-the-key"
-            await core.patch_namespaced_secret(s3["secretName"], watched, {"data": wrong})
+            await core.patch_namespaced_secret(
+                s3["secretName"], watched, {"data": wrong}, **MERGE_PATCH
+            )
             spec = {
                 "model": {
                     "name": SERVED,
@@ -159,7 +163,9 @@ async def test_weights_are_fetched_once_per_cluster(
             assert object_reads(model_bucket) == {}
 
             # Fixed in place: the operator's next try fills, and the pods start from the cache.
-            await core.patch_namespaced_secret(s3["secretName"], watched, {"data": right_secret})
+            await core.patch_namespaced_secret(
+                s3["secretName"], watched, {"data": right_secret}, **MERGE_PATCH
+            )
             await eventually(cached, 300, _is("True", "Ready"))
             status = await _status(api, watched)
             objects = _model_objects(tiny_model)
@@ -181,7 +187,7 @@ async def test_weights_are_fetched_once_per_cluster(
             old_key = status["modelCache"]["key"]
             source = {"model": {"source": f"s3://{BUCKET}/{NEW_PREFIX}"}}
             await custom.patch_namespaced_custom_object(
-                GROUP, VERSION, watched, "dynamoworkers", WORKER, {"spec": source}
+                GROUP, VERSION, watched, "dynamoworkers", WORKER, {"spec": source}, **MERGE_PATCH
             )
             await eventually(lambda: _rolled_onto(api, watched, old_key), READY_WITHIN, bool)
             pods = await _worker_pods(api, watched)
@@ -198,7 +204,13 @@ async def test_weights_are_fetched_once_per_cluster(
 
             # Scaled out: the new pods read the cache, not S3.
             await custom.patch_namespaced_custom_object(
-                GROUP, VERSION, watched, "dynamoworkers", WORKER, {"spec": {"replicas": 6}}
+                GROUP,
+                VERSION,
+                watched,
+                "dynamoworkers",
+                WORKER,
+                {"spec": {"replicas": 6}},
+                **MERGE_PATCH,
             )
             await eventually(lambda: _ready_replicas(api, watched), READY_WITHIN, (6).__eq__)
             assert object_reads(model_bucket) == reads
