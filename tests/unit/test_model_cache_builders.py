@@ -132,6 +132,9 @@ def test_an_earlier_sources_directory_is_pruned_from_an_owned_claim_only() -> No
     assert stale_key(reported(cached(), "0123456789abcdef")) == "0123456789abcdef"
     assert stale_key(reported(cached(), current, "0123456789abcdef")) == "0123456789abcdef"
     assert stale_key(reported(cached(), current)) is None
+    assert stale_key(reported(cached(), "0123456789abcdef", current)) == "0123456789abcdef"
+    # Back to the source whose directory was to go: it stays.
+    assert stale_key(reported(cached(), current, current)) is None
     assert stale_key(reported(cached({"claimName": "mine"}), "0123456789abcdef")) is None
     prune = desired_prune_job(cached(), SETTINGS)
     (container,) = prune["spec"]["template"]["spec"]["containers"]

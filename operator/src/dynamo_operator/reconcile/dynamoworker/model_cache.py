@@ -311,9 +311,9 @@ def stale_key(dw: DynamoWorker) -> str | None:
     reported = dw.status.model_cache if dw.status is not None else None
     if cache is None or cache.claim_name is not None or reported is None:
         return None
-    if reported.key != cache_key(dw.spec.model.source):
-        return reported.key
-    return reported.stale_key
+    current = cache_key(dw.spec.model.source)
+    stale = reported.key if reported.key != current else reported.stale_key
+    return stale if stale != current else None  # back to an earlier source: nothing to drop
 
 
 def rolled_out(dw: DynamoWorker, deployment: Mapping[str, Any] | None) -> bool:

@@ -332,12 +332,13 @@ class WorkerReconciler:
         state = cache_state(dw, claim=claim, job=job, fill_pods=pods, log_tail=log_tail, now=now)
         if state.ready and state.bytes_total is None and reported is not None:
             state = replace(state, bytes_done=reported.bytes_done, bytes_total=reported.bytes_total)
+        state = replace(state, stale_key=stale_key(dw))
         if job is not None and state.retry_at is not None and state.retry_at <= now:
             # Replace the failed Job (its pods go with it), counting the attempt on.
             await self._delete_job(namespace, job)
             retry = stamped(desired_fill_job(dw, settings, attempt_of(job) + 1))
             job = await self._converge_child(retry, index)
-            state = cache_state(dw, claim=claim, job=job, now=now)
+            state = replace(cache_state(dw, claim=claim, job=job, now=now), stale_key=stale_key(dw))
         return state
 
     async def _prune(
@@ -350,19 +351,16 @@ class WorkerReconciler:
     ) -> CacheState:
         """Remove an earlier source's directory from the operator's claim (a prune Job) once
         every pod runs the current source; `cache` with the stale key it still awaits."""
-        stale = stale_key(dw)
         worker, namespace, _ = identity(dw)
-        if stale is None or stale == cache.key:
-            return replace(cache, stale_key=None)
-        if not rolled_out(dw, deployments.get(deployment_name(worker))):
-            return replace(cache, stale_key=stale)
+        if cache.stale_key is None or not rolled_out(dw, deployments.get(deployment_name(worker))):
+            return cache
         try:
             job = await self._converge_child(stamped(desired_prune_job(dw, settings)), index)
         except SpecError as err:  # the pods serve meanwhile: a leftover directory can wait
             logger.warning("DynamoWorker %s/%s: cannot prune the cache: %s", namespace, worker, err)
-            return replace(cache, stale_key=stale)
+            return cache
         if job is None or not is_complete(job):
-            return replace(cache, stale_key=stale)
+            return cache
         # Done: the Job goes too, so that a later change back to this source prunes again.
         await self._delete_job(namespace, job)
         return replace(cache, stale_key=None)
