@@ -22,6 +22,20 @@ from dynamo_operator.k8s.client import ApiError, Cluster
 from dynamo_operator.reconcile.errors import TransientError
 
 
+def merge_patch(existing: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `existing` into `new`: every value of `new`,
+    and null for each key that went away, at any depth of nested objects (a merge patch keeps
+    the keys it does not mention, and merges the objects it does)."""
+    patch: dict[str, Any] = {key: None for key in existing if key not in new}
+    for key, value in new.items():
+        before = existing.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            patch[key] = merge_patch(before, value)
+        else:
+            patch[key] = value
+    return patch
+
+
 @dataclass
 class StatusWriter:
     """Status patches of one kind, whose status is the model `status_model`."""
@@ -60,9 +74,7 @@ class StatusWriter:
         self._held_since.pop(str(meta.get("uid", "")), None)  # whatever was held is settled
         if new == existing:
             return False
-        # A merge patch keeps keys it does not mention: name the ones that went away.
-        patch: dict[str, Any] = {key: None for key in existing if key not in new}
-        patch.update(new)
+        patch = merge_patch(existing, new)
         try:
             result = await self.cluster.patch_status(
                 self.kind, str(meta["namespace"]), str(meta["name"]), patch
