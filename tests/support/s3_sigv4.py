@@ -92,8 +92,8 @@ _OBJECT_READ = re.compile(r" s3_GetObject (\S+) .*? (\d{3}) ")
 
 
 def object_reads(server: S3Server) -> dict[str, int]:
-    """How many times the server sent each object (successful GetObject requests), as its own
-    access log counts them."""
+    """The successful GetObject requests the server answered, per object key, as its own
+    access log counts them (a ranged read of a large object counts once per range)."""
     assert server.access_log is not None, "this S3 server keeps no access log"
     counts: Counter[str] = Counter()
     for line in server.access_log.read_text(errors="replace").splitlines():
