@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,10 +41,23 @@ TEST_IMAGE = "registry.invalid/dynamo-worker:test"
 T = TypeVar("T")
 
 
+# Test servers' ports come from below the kernel's ephemeral range (32768-60999 by default): a
+# port bound to 0 and released is one the kernel may hand any outgoing connection as its source
+# port before the server binds it (seen: an operator's health port taken that way).
+TEST_PORTS = range(23000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port no one listens on, on any address, outside the ephemeral range."""
+    for _ in range(200):
+        port = random.choice(TEST_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {TEST_PORTS}")
 
 
 @dataclass
