@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Final, TypedDict
+from typing import Any, Final, TypedDict
 
 from dynamo.common.lora import hf_source, hub_redirects, s3_source
 from dynamo.common.lora._env import download_timeout
@@ -404,6 +404,22 @@ def _fetch_hf(
     def fail(exc: Exception) -> LoRADownloadError:
         return hf_source.classify_hf_error(exc, source, endpoint, timeout)
 
+    def download(relative: PurePosixPath, *, dry_run: bool = False) -> Any:
+        """One file of the commit into `partial` (with `dry_run`, only what it would be)."""
+        try:
+            return hf_hub_download(
+                location.repo_id,
+                relative.as_posix(),
+                revision=commit,
+                local_dir=partial,
+                endpoint=endpoint,
+                token=token,
+                etag_timeout=timeout,
+                dry_run=dry_run,
+            )
+        except Exception as exc:
+            raise fail(exc) from exc
+
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(
             location.repo_id, revision=location.revision, files_metadata=True, timeout=timeout
@@ -431,20 +447,7 @@ def _fetch_hf(
         lfs = sibling.lfs
         size = lfs.size if lfs is not None else sibling.size
         if size is None:  # a Hub that lists names only: ask for each file's size
-            try:
-                dry = hf_hub_download(
-                    location.repo_id,
-                    relative.as_posix(),
-                    revision=commit,
-                    local_dir=partial,
-                    endpoint=endpoint,
-                    token=token,
-                    etag_timeout=timeout,
-                    dry_run=True,
-                )
-            except Exception as exc:
-                raise fail(exc) from exc
-            size = getattr(dry, "file_size", None)
+            size = getattr(download(relative, dry_run=True), "file_size", None)
         if lfs is not None:
             plan.append(ExpectedFile(relative, size, lfs.sha256, ("sha256", lfs.sha256)))
         else:
@@ -454,18 +457,7 @@ def _fetch_hf(
     for item in plan:
         if cancel.is_set():
             raise hf_source.DownloadCancelled(source)
-        try:
-            path = hf_hub_download(
-                location.repo_id,
-                item.relative.as_posix(),
-                revision=commit,
-                local_dir=partial,
-                endpoint=endpoint,
-                token=token,
-                etag_timeout=timeout,
-            )
-        except Exception as exc:
-            raise fail(exc) from exc
+        path = download(item.relative)
         if not Path(str(path)).resolve().is_relative_to(root):
             raise LoRADownloadError(
                 f"refusing {source}: {item.relative} was stored at {path}, outside {root}",
