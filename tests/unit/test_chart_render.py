@@ -26,7 +26,7 @@ from dynamo_operator.handlers import build_registry
 from dynamo_operator.k8s import kinds
 from dynamo_operator.pods.credentials import DEFAULT_TOKEN_FILE, WORKER_ADMIN_AUDIENCE
 from dynamo_operator.reconcile.dynamoworker import builders, model_cache
-from dynamo_operator.reconcile.dynamoworker.reconciler import FRONTEND_KINDS
+from dynamo_operator.reconcile.dynamoworker.reconciler import ACTIVATOR_KINDS, FRONTEND_KINDS
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from support.api_cases import FULL_DYNAMO_WORKER
 from support.helm import CHART, RENDER_KUBE_VERSION, documents, require_helm, run_helm, template
@@ -311,6 +311,8 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     stored = copy.deepcopy(FULL_DYNAMO_WORKER)
     stored["metadata"] |= {"namespace": "ns", "uid": "u"}
     stored["spec"]["metrics"] = {"podMonitor": "Enabled"}
+    # Scale to zero: the activator's children too.
+    stored["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2, "targetInFlightPerPod": 1}
     dw = DynamoWorker.model_validate(stored)
     for child in builders.desired_children(dw, settings):
         group = child["apiVersion"].rpartition("/")[0]
@@ -341,11 +343,13 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     assert "candidates.append((kinds.POD_MONITOR" in source
     assert "(kinds.NETWORK_POLICY, network_policy_name(name))" in source
     assert "(kinds.PERSISTENT_VOLUME_CLAIM, model_cache_claim_name(name))" in source
+    assert "(kind, activator_name(name)) for kind in ACTIVATOR_KINDS" in source
     for kind in (
         kinds.POD_MONITOR,
         kinds.NETWORK_POLICY,
         kinds.PERSISTENT_VOLUME_CLAIM,
         *FRONTEND_KINDS,
+        *ACTIVATOR_KINDS,
     ):
         group = kind.api_version.rpartition("/")[0]
         need |= {(group, kind.plural, v, ()) for v in ("get", "delete")}
@@ -356,9 +360,10 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
         "_get_list": "list",
         "delete": "delete",
         "patch_status": "patch",
+        "patch": "patch",
     }
     for method, name in re.findall(
-        r"\.(get|_get|list|_get_list|delete|patch_status)\(\s*kinds\.([A-Z_]+)", source
+        r"\.(get|_get|list|_get_list|delete|patch_status|patch)\(\s*kinds\.([A-Z_]+)", source
     ):
         kind = getattr(kinds, name)
         if kind is kinds.CRD:
@@ -380,9 +385,9 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     assert "create_event(" in source
     need.add(("events.k8s.io", "events", "create", ()))  # the reconciler's Events
     need.add(("", "events", "create", ()))  # kopf posts core/v1 Events (posting is on)
-    # The workers' and the frontend's Roles: RBAC lets the operator grant only what it holds.
+    # The workers', the frontend's and the activator's Roles: RBAC lets the operator grant only what it holds.
     roles = [c for c in builders.desired_children(dw, settings) if c["kind"] == "Role"]
-    assert len(roles) == 2
+    assert len(roles) == 3
     for role in roles:
         need |= permissions(role["rules"])
     # Worker pods admit the operator's requests only if it may do what their admin check asks
@@ -394,6 +399,9 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     # Cluster-scoped: whether the PodMonitor CRD exists.
     assert "crd_exists(POD_MONITOR_CRD)" in source
     crds = ("apiextensions.k8s.io", "customresourcedefinitions")
+    # A grant limited to some names (the activator's own EndpointSlice) is held already when
+    # the operator needs the same verb on every object of the kind.
+    need = {(g, r, v, names) for g, r, v, names in need if not names or (g, r, v, ()) not in need}
     return need, {(*crds, "get", (builders.POD_MONITOR_CRD,))}
 
 

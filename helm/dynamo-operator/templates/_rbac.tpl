@@ -8,7 +8,8 @@ rules against the code.
 {{/* Rules on namespaced kinds: in the ClusterRole (cluster scope) or in each watched namespace's Role. */}}
 {{- define "dynamo-operator.namespacedRules" -}}
 # DynamoWorkers: kopf lists and watches them, and patches them to keep its finalizer (its
-# per-object daemon is stopped before the object goes).
+# per-object daemon is stopped before the object goes); the autoscaler patches spec.replicas
+# of those with spec.autoscaling (never of the others).
 - apiGroups: ["dynamo.dev"]
   resources: ["dynamoworkers"]
   verbs: ["list", "watch", "patch"]
@@ -30,10 +31,12 @@ rules against the code.
 - apiGroups: ["dynamo.dev"]
   resources: ["loraadapters/status"]
   verbs: ["patch"]
-# Worker pods: watched (kopf index) for status and to reconcile when one changes; never written.
+# Worker pods: watched (kopf index) for status and to reconcile when one changes. patch: the
+# autoscaler sets controller.kubernetes.io/pod-deletion-cost (a merge patch of that one
+# annotation) on a DynamoWorker's pods before lowering its replicas, so the least busy go.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
 # The fill pods of spec.model.cache: their log holds the fill's progress and nothing else (the
 # operator reads the last lines of the fill container while it runs).
 - apiGroups: [""]
@@ -80,12 +83,15 @@ rules against the code.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# EndpointSlices: the frontend's Role lets it list and watch them (upstream's Kubernetes
-# discovery: a worker is routable while its pod is ready in its Service's slices), and RBAC
-# lets the operator grant only what it holds. The operator itself never reads them.
+# EndpointSlices: the frontend's and the activator's Roles let them list and watch them
+# (upstream's Kubernetes discovery: a worker is routable while its pod is ready in its
+# Service's slices), and the activator's lets it get and patch its own slice: RBAC lets the
+# operator grant only what it holds. The operator creates (server-side apply), watches and
+# deletes that one slice per DynamoWorker that may scale to zero, which the activator fills
+# with its address while it stands in for the pods.
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
-  verbs: ["list", "watch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # PodMonitor (when the Prometheus Operator's CRD exists): watched and applied like the other
 # children, and deleted when spec.metrics stops asking for one.
 - apiGroups: ["monitoring.coreos.com"]

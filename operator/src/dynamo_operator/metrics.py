@@ -18,6 +18,11 @@
 - `dynamo_operator_status_condition{kind,namespace,name,type}`: 1 while a managed object's
   condition (Ready, Progressing, Degraded) is True, else 0, from the status the operator
   computed last (the chart's alerts and dashboard read it).
+- `dynamo_operator_autoscaler_load{namespace,name,signal}`: the load the autoscaler last read
+  of a DynamoWorker with spec.autoscaling, per signal (`in_flight` and `held` requests,
+  `kv_cache_percent` summed over pods, `ttft_p90_seconds`), and
+  `dynamo_operator_autoscaler_desired_replicas{namespace,name}`: the count it wants. A KEDA
+  Prometheus trigger can scale on the same signal.
 - `dynamo_operator_dynamoworker_desired_replicas{namespace,name}` and
   `dynamo_operator_dynamoworker_ready_replicas{namespace,name}`: `spec.replicas` and
   `status.readyReplicas` of each DynamoWorker.
@@ -32,8 +37,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-WRITE_VERBS = frozenset({"apply", "delete", "patch-status", "create"})
+WRITE_VERBS = frozenset({"apply", "delete", "patch-status", "create", "patch"})
 MANAGED_KINDS = ("DynamoWorker", "LoRAAdapter")
+AUTOSCALER_SIGNALS = ("in_flight", "held", "kv_cache_percent", "ttft_p90_seconds")
 
 
 class OperatorMetrics:
@@ -122,6 +128,18 @@ class OperatorMetrics:
             ["namespace", "name"],
             registry=self.registry,
         )
+        self.autoscaler_load = Gauge(
+            "dynamo_operator_autoscaler_load",
+            "The load the autoscaler last read of a DynamoWorker, per signal.",
+            ["namespace", "name", "signal"],
+            registry=self.registry,
+        )
+        self.autoscaler_desired = Gauge(
+            "dynamo_operator_autoscaler_desired_replicas",
+            "Worker pods the autoscaler wants for a DynamoWorker.",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
         # Per object: the condition types it has gauges for (dropped with the object).
         self._condition_types: dict[tuple[str, str, str], set[str]] = {}
         # Both kinds from the start: the error counters at 0 (so rate() has a series before
@@ -158,6 +176,15 @@ class OperatorMetrics:
             for gauge in (self.desired_replicas, self.ready_replicas):
                 with contextlib.suppress(KeyError):  # no status was ever recorded
                     gauge.remove(namespace, name)
+            self.forget_autoscaler(namespace, name)
+
+    def forget_autoscaler(self, namespace: str, name: str) -> None:
+        """Drop a DynamoWorker's autoscaler gauges (it is gone, or no longer autoscaled)."""
+        with contextlib.suppress(KeyError):
+            self.autoscaler_desired.remove(namespace, name)
+        for signal in AUTOSCALER_SIGNALS:
+            with contextlib.suppress(KeyError):
+                self.autoscaler_load.remove(namespace, name, signal)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

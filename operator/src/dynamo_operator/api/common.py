@@ -31,6 +31,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # Counters such as generations stay far below 2**53 - 1, the largest exact integer.
 JSON_SAFE_INT_MAX = 2**53 - 1
 UINT32_MAX = 2**32 - 1
+# Worker pods of one DynamoWorker at most.
+MAX_REPLICAS = 1024
 
 # Kubernetes name shapes (apimachinery's validation, as regular expressions that RE2 and
 # Python's `re` read the same way).

@@ -9,11 +9,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, field_validator
 
+from dynamo_operator.api.autoscaling import Autoscaling, AutoscalingStatus
 from dynamo_operator.api.base import ApiModel, Rule, StatusModel
 from dynamo_operator.api.common import (
     DNS_SUBDOMAIN_MAX,
     GROUP,
     JSON_SAFE_INT_MAX,
+    MAX_REPLICAS,
     UINT32_MAX,
     VERSION,
     Condition,
@@ -39,7 +41,6 @@ from dynamo_operator.api.sources import URI_MAX_LENGTH, uri_rules
 KIND = "DynamoWorker"
 PLURAL = "dynamoworkers"
 
-MAX_REPLICAS = 1024
 MAX_GPUS_PER_POD = 16
 MAX_DATA_PARALLEL_SIZE = 256
 # Ranks of one data-parallel world run from 0 to this bound - 1.
@@ -649,7 +650,18 @@ class DynamoWorkerSpec(ApiModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy of the worker container."
     )
-    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Number of worker pods.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Number of worker pods; written by the autoscaler when spec.autoscaling "
+        "is set, else yours (kubectl scale, an HPA or KEDA through the scale subresource).",
+    )
+    autoscaling: Autoscaling | None = Field(
+        default=None,
+        description="Scale the pods on their own load (to zero with minReplicas 0); the "
+        "replica count is yours when unset.",
+    )
     engine: Engine = defaulted(Engine, "The engine the worker runs.")
     resources: Resources = defaulted(Resources, "Compute for each worker pod.")
     data_parallel: DataParallel = defaulted(DataParallel, "Data-parallel ranks in each pod.")
@@ -824,6 +836,9 @@ class DynamoWorkerStatus(StatusModel):
     model_cache: ModelCacheStatus | None = Field(
         default=None, description="The model cache, when spec.model.cache is set."
     )
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="The autoscaler's view, when spec.autoscaling is set."
+    )
 
 
 _NAME = re.compile(NAME_PATTERN)
@@ -856,6 +871,23 @@ class DynamoWorker(Resource):
                 "Up-To-Date", "integer", ".status.updatedReplicas", "Pods on the current spec.", 1
             ),
             condition_column("Reason", "Ready", "reason", priority=1),
+            PrinterColumn(
+                "Autoscaler-Desired",
+                "integer",
+                ".status.autoscaling.desiredReplicas",
+                "Pods the autoscaler wants.",
+                1,
+            ),
+            PrinterColumn(
+                "Load", "string", ".status.autoscaling.load", "Load against the target.", 1
+            ),
+            PrinterColumn(
+                "Last-Scale",
+                "date",
+                ".status.autoscaling.lastDecision.time",
+                "The autoscaler's last change.",
+                1,
+            ),
         ),
         scale=ScaleSubresource(
             spec_replicas_path=".spec.replicas",

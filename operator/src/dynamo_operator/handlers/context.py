@@ -29,10 +29,13 @@ from dynamo_operator.k8s.client import ApiError, Cluster, connect
 from dynamo_operator.metrics import OperatorMetrics
 from dynamo_operator.pods.adapters import LoraClient
 from dynamo_operator.pods.credentials import BearerToken
+from dynamo_operator.pods.load import LoadReader
 from dynamo_operator.pods.taints import TaintPusher
 from dynamo_operator.reconcile.crds import install_crds
+from dynamo_operator.reconcile.dynamoworker.autoscaler import Autoscaler
 from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
+from dynamo_operator.reconcile.events import EventRecorder
 from dynamo_operator.reconcile.loraadapter.reconciler import LoraReconciler
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class Services:
     http: aiohttp.ClientSession
     taints: TaintPusher
     lora: LoraReconciler
+    autoscaler: Autoscaler
 
 
 @dataclass
@@ -106,6 +110,13 @@ class OperatorContext:
             on_done=lambda namespace, worker: self.wake(DYNAMO_WORKER, namespace, worker),
             metrics=self.metrics,
         )
+        autoscaler = Autoscaler(
+            cluster,
+            LoadReader(http),
+            EventRecorder(cluster, socket.gethostname()),
+            self.metrics,
+            on_change=lambda namespace, name: self.wake(DYNAMO_WORKER, namespace, name),
+        )
         reconciler = WorkerReconciler(
             cluster,
             ReconcileSettings(
@@ -117,6 +128,7 @@ class OperatorContext:
             ),
             taints,
             reporting_instance=socket.gethostname(),
+            autoscaling=autoscaler.view,
         )
         lora = LoraReconciler(
             cluster,
@@ -127,7 +139,7 @@ class OperatorContext:
         )
         self.watched_children = await watched_children(reconciler)
         await self.serve_metrics()
-        self._services = Services(api, cluster, reconciler, http, taints, lora)
+        self._services = Services(api, cluster, reconciler, http, taints, lora, autoscaler)
 
     async def serve_metrics(self) -> None:
         """Start `/metrics` unless disabled or already started (a standby serves it before

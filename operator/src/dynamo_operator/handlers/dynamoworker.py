@@ -23,7 +23,9 @@ import time
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
 
+from dynamo_operator.api.dynamoworker import DynamoWorker
 from dynamo_operator.handlers.context import DYNAMO_WORKER, OperatorContext
 from dynamo_operator.handlers.indices import (
     CHILD_KINDS,
@@ -37,12 +39,17 @@ from dynamo_operator.handlers.indices import (
 )
 from dynamo_operator.handlers.resync import resync_loop
 from dynamo_operator.k8s import kinds
+from dynamo_operator.k8s.client import ApiError
 from dynamo_operator.reconcile.children import key_of
-from dynamo_operator.reconcile.dynamoworker.labels import OWNER_KIND, WORKER_LABEL
+from dynamo_operator.reconcile.dynamoworker.activator import activator_ip
+from dynamo_operator.reconcile.dynamoworker.labels import OWNER_KIND, WORKER_LABEL, activator_name
 from dynamo_operator.reconcile.errors import TransientError
+from dynamo_operator.reconcile.events import Regarding
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo, required_adapters
 
 RETRY_DELAY_SECONDS = 5.0
+# How often the autoscaler reads each autoscaled DynamoWorker's pods.
+AUTOSCALE_POLL_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,34 @@ async def reconcile_now(body: kopf.Body, memo: OperatorContext, indices: Indices
         level = logging.WARNING if outcome.status_written else logging.DEBUG
         log.log(level, "DynamoWorker %s/%s not reconciled: %s", namespace, name, outcome.spec_error)
     return outcome.wake_in_seconds
+
+
+async def autoscale_once(body: kopf.Body, memo: OperatorContext, indices: Indices) -> None:
+    """One autoscaler step for the DynamoWorker `body` (its live copy: kopf keeps it
+    current), with its pods and activator from the indices; failures are logged and the next
+    step tries again."""
+    namespace, name = namespace_of(body.metadata.namespace), str(body.metadata.name)
+    try:
+        dw = DynamoWorker.model_validate(dict(body))
+    except ValidationError:
+        return  # the reconciler reports the spec error in status
+    spec = dw.spec.autoscaling
+    if spec is None or dw.metadata.deletion_timestamp is not None:
+        return
+    children = indices.children(memo.watched_children)
+    slice_ = children.get(key_of(kinds.ENDPOINT_SLICE, namespace, activator_name(name)))
+    activator = activator_ip(slice_.body() if slice_ is not None else None)
+    try:
+        await memo.services.autoscaler.step(
+            Regarding.of(kinds.DYNAMO_WORKER, body.metadata),
+            spec,
+            dw.spec.replicas,
+            dw.status.autoscaling if dw.status is not None else None,
+            indices.pods(namespace, name),
+            activator,
+        )
+    except ApiError as err:
+        log.warning("DynamoWorker %s/%s: autoscaler: %s", namespace, name, err)
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
@@ -125,6 +160,29 @@ def register(registry: kopf.OperatorRegistry) -> None:
             await resync_loop(memo, (DYNAMO_WORKER, namespace, name), body, stopped, reconcile)
         finally:
             memo.services.reconciler.forget(namespace, name, uid)
+
+    @kopf.daemon(
+        *DW,
+        id="autoscale",
+        registry=registry,
+        when=lambda spec, **_: bool(spec.get("autoscaling")),
+        cancellation_timeout=5.0,
+    )
+    async def autoscale_dynamoworker(
+        body: kopf.Body,
+        name: str,
+        namespace: str | None,
+        memo: OperatorContext,
+        stopped: kopf.DaemonStopped,
+        **kwargs: Any,
+    ) -> None:
+        namespace = namespace_of(namespace)
+        try:
+            while not stopped:
+                await autoscale_once(body, memo, Indices.of(kwargs))
+                await stopped.wait(AUTOSCALE_POLL_SECONDS)
+        finally:
+            memo.services.autoscaler.forget(namespace, name)
 
     @kopf.on.event(*DW, id="dynamoworker_changed", registry=registry)
     async def dynamoworker_changed(

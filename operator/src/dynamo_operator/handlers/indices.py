@@ -48,6 +48,7 @@ CHILD_KINDS = (
     kinds.POD_MONITOR,
     kinds.PERSISTENT_VOLUME_CLAIM,
     kinds.JOB,
+    kinds.ENDPOINT_SLICE,
 )
 
 log = logging.getLogger(__name__)

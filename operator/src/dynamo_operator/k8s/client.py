@@ -227,6 +227,21 @@ class Cluster:
         )
         return result
 
+    async def patch(
+        self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON-merge-patch the object (the autoscaler's spec.replicas, a pod's annotation):
+        only the fields in `patch` change, with no claim on any other field."""
+        self._count("patch", kind)
+        result = await self._call(
+            "PATCH",
+            kind.path(namespace, name),
+            f"patch {kind.kind} {name}",
+            body=dict(patch),
+            content_type=MERGE_PATCH,
+        )
+        return result
+
     async def patch_pod_conditions(
         self, namespace: str, name: str, conditions: Sequence[Mapping[str, Any]]
     ) -> None:

@@ -40,6 +40,7 @@ NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"
 POD = Kind("v1", "Pod", "pods")
 PERSISTENT_VOLUME_CLAIM = Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
 JOB = Kind("batch/v1", "Job", "jobs")
+ENDPOINT_SLICE = Kind("discovery.k8s.io/v1", "EndpointSlice", "endpointslices")
 EVENT = Kind("events.k8s.io/v1", "Event", "events")
 LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 DYNAMO_WORKER = Kind(API_VERSION, "DynamoWorker", "dynamoworkers")
@@ -61,6 +62,7 @@ ALL = (
     POD,
     PERSISTENT_VOLUME_CLAIM,
     JOB,
+    ENDPOINT_SLICE,
     EVENT,
     DYNAMO_WORKER,
     LORA_ADAPTER,

@@ -13,12 +13,18 @@ from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerSpec
 from dynamo_operator.pods import routes
 from dynamo_operator.reconcile.dynamoworker import interface as wi
 from dynamo_operator.reconcile.dynamoworker import manifests as m
+from dynamo_operator.reconcile.dynamoworker.activator import (
+    desired_activator_children,
+    wants_activator,
+)
 from dynamo_operator.reconcile.dynamoworker.frontend import desired_frontend_children
 from dynamo_operator.reconcile.dynamoworker.interface import Env
 from dynamo_operator.reconcile.dynamoworker.labels import (
     ADAPTERS_READY_GATE,
     DISCOVERY_LABELS,
     OPERATOR_LABEL,
+    activator_name,
+    activator_selector_labels,
     common_labels,
     deployment_name,
     frontend_selector_labels,
@@ -326,10 +332,14 @@ def _namespace_peer(namespace: str) -> Manifest:
     return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
 
 
-def desired_network_policy(dw: DynamoWorker, settings: ReconcileSettings) -> Manifest:
-    """Ingress to the worker pods: the system port from the operator's pods and
+def desired_network_policy(
+    dw: DynamoWorker, settings: ReconcileSettings, *, activator: bool = False
+) -> Manifest:
+    """Ingress to the worker pods (or, with `activator`, to the activator's pod, which stands
+    in for them and so admits the same peers): the system port from the operator's pods and
     spec.networkPolicy.systemPortNamespaces; every port from this worker's frontend (when
-    spec.frontend is set) and spec.networkPolicy.clientNamespaces (the TCP request plane and
+    spec.frontend is set), its activator (when it may scale to zero: held requests are
+    forwarded to the pods) and spec.networkPolicy.clientNamespaces (the TCP request plane and
     the event plane listen on ephemeral ports that discovery advertises, so no port list can
     name them). Egress is not limited (model and adapter downloads)."""
     worker, namespace, _ = m.identity(dw)
@@ -344,6 +354,9 @@ def desired_network_policy(dw: DynamoWorker, settings: ReconcileSettings) -> Man
         "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}},
     }
     clients = [_namespace_peer(n) for n in policy.client_namespaces]
+    if wants_activator(dw) and not activator:
+        activator_pods = {"matchLabels": activator_selector_labels(worker)}
+        clients.insert(0, {**_namespace_peer(namespace), "podSelector": activator_pods})
     if dw.spec.frontend is not None:
         frontend_pods = {"matchLabels": frontend_selector_labels(worker)}
         clients.insert(0, {**_namespace_peer(namespace), "podSelector": frontend_pods})
@@ -356,12 +369,14 @@ def desired_network_policy(dw: DynamoWorker, settings: ReconcileSettings) -> Man
     ]
     if clients:  # (a rule with no peers would admit everyone)
         ingress.append({"from": clients})
+    pods = activator_selector_labels(worker) if activator else selector_labels(worker)
+    name = activator_name(worker) if activator else network_policy_name(worker)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": m.object_metadata(dw, network_policy_name(worker)),
+        "metadata": m.object_metadata(dw, name),
         "spec": {
-            "podSelector": {"matchLabels": selector_labels(worker)},
+            "podSelector": {"matchLabels": pods},
             "policyTypes": ["Ingress"],
             "ingress": ingress,
         },
@@ -378,7 +393,8 @@ def desired_children(
     """Every child the worker should have, in apply order: identity and permissions before
     the pods that use them, the NetworkPolicy before the pods it isolates (unless
     spec.networkPolicy.enabled is false). The PodMonitor only when its CRD exists; the
-    frontend's children last (when spec.frontend is set). `hold_deployment` leaves the worker
+    activator's children when the worker may scale to zero; the frontend's children last
+    (when spec.frontend is set). `hold_deployment` leaves the worker
     Deployment out, neither made nor changed (while the model cache fills for a new source)."""
     children = [
         desired_service_account(dw),
@@ -389,8 +405,11 @@ def desired_children(
     ]
     if dw.spec.network_policy.enabled:  # before the pods, so they start isolated
         children.append(desired_network_policy(dw, settings))
+        if wants_activator(dw):
+            children.append(desired_network_policy(dw, settings, activator=True))
     if not hold_deployment:
         children.append(desired_deployment(dw, settings, adapters_gate=adapters_gate))
     if m.wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
         children.append(desired_pod_monitor(dw))
+    children += desired_activator_children(dw, settings)
     return children + desired_frontend_children(dw, settings)

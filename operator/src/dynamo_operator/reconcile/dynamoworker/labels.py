@@ -54,6 +54,28 @@ def frontend_labels(worker: str) -> dict[str, str]:
     return {**labels, "app.kubernetes.io/component": "frontend", FRONTEND_LABEL: worker}
 
 
+ACTIVATOR_LABEL = f"{PREFIX}activator"
+
+
+def activator_labels(worker: str) -> dict[str, str]:
+    """Labels on the activator's pods: never the worker label (no worker selector may take
+    the activator for a worker pod; it joins the worker Service through its own
+    EndpointSlice instead)."""
+    labels = common_labels(worker)
+    del labels[WORKER_LABEL]
+    return {**labels, "app.kubernetes.io/component": "activator", ACTIVATOR_LABEL: worker}
+
+
+def activator_selector_labels(worker: str) -> dict[str, str]:
+    return {ACTIVATOR_LABEL: worker}
+
+
+def activator_name(worker: str) -> str:
+    """The activator's Deployment, ServiceAccount, Role, RoleBinding, NetworkPolicy and the
+    EndpointSlice that makes it an endpoint of the worker Service."""
+    return f"{worker}-activator"
+
+
 def frontend_selector_labels(worker: str) -> dict[str, str]:
     """The labels that select the frontend's pods (immutable, like the workers')."""
     return {FRONTEND_LABEL: worker}

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dynamo_operator.api.autoscaling import AutoscalingStatus
 from dynamo_operator.api.common import Condition
 from dynamo_operator.api.conditions import merge_conditions
 from dynamo_operator.api.conditions import now as utc_now
@@ -33,6 +34,7 @@ from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
 from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter, wanted_condition
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
 from dynamo_operator.reconcile.dynamoworker.labels import (
+    activator_name,
     deployment_name,
     fill_job_name,
     frontend_name,
@@ -78,6 +80,15 @@ PROGRESS_LINES = 3
 # How often a cache whose volume is unavailable is looked at again (its claim's changes wake
 # the worker too, when the operator made it).
 VOLUME_POLL_SECONDS = 30.0
+# The kinds of the activator's children, in deletion order.
+ACTIVATOR_KINDS = (
+    kinds.DEPLOYMENT,
+    kinds.ENDPOINT_SLICE,
+    kinds.NETWORK_POLICY,
+    kinds.ROLE_BINDING,
+    kinds.ROLE,
+    kinds.SERVICE_ACCOUNT,
+)
 # The kinds of the frontend's children, in deletion order (see `desired_frontend_children`).
 FRONTEND_KINDS = (
     kinds.DEPLOYMENT,
@@ -141,6 +152,8 @@ class WorkerReconciler:
 
     `settings` holds the operator's defaults; whether the PodMonitor CRD exists is re-checked
     at most every `CRD_CHECK_INTERVAL_SECONDS`. `taints` may be None (no pushes).
+    `autoscaling(namespace, name)` is the autoscaler's view for status.autoscaling (None:
+    keep what status shows).
     """
 
     cluster: Cluster
@@ -148,6 +161,7 @@ class WorkerReconciler:
     taints: TaintPusher | None = None
     reporting_instance: str = "dynamo-operator"
     clock: Callable[[], datetime] = utc_now
+    autoscaling: Callable[[str, str], AutoscalingStatus | None] = lambda namespace, name: None
     _crd_checked_at: float = field(default=float("-inf"), init=False)
     _status: StatusWriter = field(init=False)
     _events: EventRecorder = field(init=False)
@@ -281,6 +295,7 @@ class WorkerReconciler:
                 wants_pod_monitor(dw.spec, settings) and not settings.pod_monitor_crd
             ),
             model_cache=cache,
+            autoscaling=self._autoscaling_view(dw),
         )
         outcome = await self._write_status(dw, meta, raw_status, observed, applied=applied)
         if transient:
@@ -289,6 +304,14 @@ class WorkerReconciler:
         if wake is not None and (outcome.wake_in_seconds is None or wake < outcome.wake_in_seconds):
             outcome = replace(outcome, wake_in_seconds=wake)
         return outcome
+
+    def _autoscaling_view(self, dw: DynamoWorker) -> AutoscalingStatus | None:
+        """The autoscaler's latest view, else what status shows (a new leader's autoscaler
+        has not read the pods yet)."""
+        view = self.autoscaling(dw.metadata.namespace or "", dw.metadata.name or "")
+        if view is None and dw.status is not None:
+            return dw.status.autoscaling
+        return view
 
     async def _model_cache(
         self, dw: DynamoWorker, settings: ReconcileSettings, index: ChildIndex | None
@@ -485,7 +508,8 @@ class WorkerReconciler:
         """Delete children this worker owns and no longer wants (not in `desired`): its
         NetworkPolicy when spec.networkPolicy is disabled, its
         PodMonitors when spec.metrics stops asking for them, the frontend's children when
-        spec.frontend goes, the model cache's claim when spec.model.cache stops asking for it,
+        spec.frontend goes, the activator's when the worker may no longer scale to zero, the
+        model cache's claim when spec.model.cache stops asking for it,
         and the fill Job of the source status last reported once it is not the current one.
         Only what may exist is read: PodMonitors when their CRD exists, the frontend's
         children when status.frontend says they were made (it stays until these deletes are
@@ -496,6 +520,9 @@ class WorkerReconciler:
         candidates: list[tuple[kinds.Kind, str]] = [
             (kinds.NETWORK_POLICY, network_policy_name(name))
         ]
+        # The activator's, once the worker may no longer scale to zero (all watched kinds:
+        # looking costs no request). Pods first, as for the frontend.
+        candidates += [(kind, activator_name(name)) for kind in ACTIVATOR_KINDS]
         monitors = settings.pod_monitor_crd
         if monitors:
             candidates.append((kinds.POD_MONITOR, pod_monitor_name(name)))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from dynamo_operator.api.autoscaling import AutoscalingStatus
 from dynamo_operator.api.common import ConditionType
 from dynamo_operator.api.conditions import WantedCondition, apply_conditions, name_list
 from dynamo_operator.api.dynamoworker import (
@@ -54,7 +55,8 @@ class WorkerObservation:
     to why pushing spec.modelTaints to it failed. `pod_monitor_unavailable` is set when a
     PodMonitor is asked for and its CRD is missing. `spec_error` is set when the spec cannot
     be turned into children (its message names the field). `model_cache` is the fill of the
-    current source when spec.model.cache is set.
+    current source when spec.model.cache is set. `autoscaling` is the autoscaler's view
+    (status.autoscaling) when spec.autoscaling is set.
     """
 
     now: datetime
@@ -67,6 +69,7 @@ class WorkerObservation:
     pod_monitor_unavailable: bool = False
     spec_error: str | None = None
     model_cache: CacheState | None = None
+    autoscaling: AutoscalingStatus | None = None
 
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
@@ -158,9 +161,13 @@ def _ready(
             "the worker Deployment does not exist yet; the operator is creating it",
         )
     if desired == 0:
-        return WantedCondition(
-            t, "True", "ScaledToZero", "spec.replicas is 0: no worker pods run; scale up to serve"
-        )
+        message = "spec.replicas is 0: no worker pods run; scale up to serve"
+        if observed.autoscaling is not None:
+            message = (
+                "the autoscaler scaled to zero: requests are held by the activator while a "
+                "pod starts"
+            )
+        return WantedCondition(t, "True", "ScaledToZero", message)
     if ready >= desired:
         frontend = _frontend_waiting(frontend_desired, observed)
         if frontend is not None:
@@ -406,6 +413,7 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
             if cache is not None
             else None
         ),
+        autoscaling=observed.autoscaling if dw.spec.autoscaling is not None else None,
     )
     return status.to_dict()
 
