@@ -47,8 +47,9 @@ async def _scale(api: client.ApiClient, namespace: str, name: str, replicas: int
 
 
 async def _events(api: client.ApiClient, namespace: str, name: str) -> list[Any]:
-    listed = await client.EventsV1Api(api).list_namespaced_event(
-        namespace, field_selector=f"regarding.name={name}"
+    # The core view: kopf's own Events have no eventTime, which the events.k8s.io client refuses.
+    listed = await client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
     )
     return list(listed.items)
 
@@ -98,7 +99,7 @@ async def test_the_autoscaler_owns_replicas_and_explains_itself(
         assert worker["spec"]["replicas"] == 3
         await eventually(lambda: _deployment_replicas(api, namespace, "auto"), 60, (3).__eq__)
         events = await _events(api, namespace, "auto")
-        assert any(e.reason == "ScaledToBounds" and "7 -> 3" in e.note for e in events)
+        assert any(e.reason == "ScaledToBounds" and "7 -> 3" in e.message for e in events)
 
         # kubectl scale on an autoscaled worker: the autoscaler takes the count back.
         await _scale(api, namespace, "auto", 1)
