@@ -12,6 +12,7 @@ none).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from dynamo_operator.reconcile.dynamoworker.labels import activator_name
 from support.cluster import Cluster, eventually
 from support.dynamo_workers import GROUP, PLURAL, VERSION, create_worker, get_worker
-from support.operator_process import running_operator
+from support.operator_process import running_operator, start_operator
 
 pytestmark = pytest.mark.cluster
 
@@ -140,9 +141,15 @@ async def test_scale_to_zero_brings_an_activator_and_takes_it_away(
         assert [(r.resources, r.resource_names, r.verbs) for r in own] == [
             (["endpointslices"], [name], ["get", "patch"])
         ]
-        # No pod ever served: the activator has no card, so the worker is never put to zero.
-        worker = await get_worker(api, namespace, "zero")
-        assert worker["spec"]["replicas"] == 1
+        # No pod ever served: the activator has no card, so the worker is never put to zero
+        # (and the scale-down window keeps the 2 it was made with).
+        worker = await eventually(
+            lambda: get_worker(api, namespace, "zero"),
+            30,
+            lambda w: "autoscaling" in (w.get("status") or {}),
+        )
+        assert worker["status"]["autoscaling"]["desiredReplicas"] == 2
+        assert worker["spec"]["replicas"] == 2
 
         await client.CustomObjectsApi(api).patch_namespaced_custom_object(
             GROUP,
@@ -154,3 +161,47 @@ async def test_scale_to_zero_brings_an_activator_and_takes_it_away(
             **MERGE_PATCH,
         )
         await eventually(activator_deployment, 60, lambda d: d is None)
+
+
+async def test_a_new_operator_carries_on_after_one_killed_mid_scale(
+    api: client.ApiClient, cluster: Cluster, namespace: str, crds: None, tmp_path: Path
+) -> None:
+    """The first operator is killed (SIGKILL: no cleanup) as soon as it has written the new
+    count; the next one keeps that count (no reset, no early scale-down: the scale-down
+    window counts on) and reports it."""
+    autoscaling = {"minReplicas": 2, "maxReplicas": 3, "targetInFlightPerPod": 4}
+    first = start_operator(cluster, [namespace], tmp_path / "first.log")
+    try:
+        await create_worker(
+            api, namespace, "handover", {**SPEC, "replicas": 7, "autoscaling": autoscaling}
+        )
+        await eventually(
+            lambda: get_worker(api, namespace, "handover"),
+            60,
+            lambda w: w["spec"]["replicas"] == 3,
+        )
+    finally:
+        first.process.kill()
+        first.process.wait(10)
+    with running_operator(cluster, [namespace], tmp_path / "second.log") as second:
+        worker = await eventually(
+            lambda: get_worker(api, namespace, "handover"),
+            60,
+            lambda w: (
+                ((w.get("status") or {}).get("autoscaling") or {}).get("desiredReplicas") == 3
+                and (w.get("status") or {}).get("observedGeneration") == w["metadata"]["generation"]
+            ),
+        )
+        await eventually(lambda: _deployment_replicas(api, namespace, "handover"), 60, (3).__eq__)
+
+        # Its own reads decide 3 too (the load, none, asks for 2; the window holds).
+        def desired() -> float | None:
+            key = (
+                "dynamo_operator_autoscaler_desired_replicas",
+                (("name", "handover"), ("namespace", namespace)),
+            )
+            return second.metrics().get(key)
+
+        assert await eventually(lambda: asyncio.sleep(0, desired()), 30, bool) == 3
+        worker = await get_worker(api, namespace, "handover")
+        assert worker["spec"]["replicas"] == 3

@@ -83,9 +83,23 @@ def test_bounds_hold_the_count() -> None:
 
 
 def test_a_count_outside_the_bounds_is_brought_back() -> None:
-    decision, _ = decide(spec(minReplicas=2, maxReplicas=4), 7, LoadReading(), PolicyState(), 0)
+    policy = spec(minReplicas=2, maxReplicas=4, scaleDownWindowSeconds=60)
+    decision, state = decide(policy, 7, LoadReading(), PolicyState(), 0)
     assert (decision.replicas, decision.direction) == (4, "Bounds")
     assert "outside [2, 4]" in decision.reason
+    # and is then decided on as any other: down to the floor once the window has passed
+    counts, _ = run(policy, 4, [(30, LoadReading()), (61, LoadReading())], state)
+    assert counts == [4, 2]
+    decision, _ = decide(policy, 1, LoadReading(), PolicyState(), 0)
+    assert (decision.replicas, decision.direction) == (2, "Bounds")
+
+
+def test_a_new_policy_waits_a_whole_window_before_scaling_down() -> None:
+    """A new leader finds 3 pods and no load: it keeps them for the window, then lowers."""
+    policy = spec(scaleDownWindowSeconds=120)
+    idle = LoadReading(pods_read=3)
+    counts, _ = run(policy, 3, [(1000, idle), (1060, idle), (1119, idle), (1121, idle)])
+    assert counts == [3, 3, 3, 1]
 
 
 def test_scale_up_is_immediate_by_default_and_down_waits_its_window() -> None:

@@ -10,11 +10,12 @@
   model card (it can answer for the pods only with it); a held request always asks for a pod.
 - **Windows.** Scaling up takes the lowest recommendation of the scale-up window, scaling
   down the highest of the scale-down window (the HPA's stabilisation), so a short dip or peak
-  never moves the count. Waking from zero skips the window: requests are waiting. Going to
-  zero skips it too: the idle time is its window.
-
-Times are seconds since the epoch (the caller's clock), so a new leader can carry on from the
-last decision's time in status.
+  never moves the count. The count at the first poll counts as recommended then, so a policy
+  that starts (a new DynamoWorker, a new leader after a failover) never scales down before a
+  whole window of its own readings. Waking from zero skips the window: requests are waiting.
+  Going to zero skips it too: the idle time is its window.
+- **Bounds.** A count outside [minReplicas, maxReplicas] (an edit, kubectl scale) is taken
+  as the nearest bound, then decided on as any other.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class PolicyState:
     # When a request was last seen (None: not since the autoscaler started watching).
     last_active: float | None = None
     started: float | None = None  # the first poll: idle time counts from it at the latest
+    # The count at the first poll: it counts as recommended then for the scale-down window,
+    # so an autoscaler that starts (a new worker, a new leader after a failover) never scales
+    # down before a whole window of its own readings.
+    first_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,10 @@ def decide(
     spec: Autoscaling, current: int, load: LoadReading, state: PolicyState, now: float
 ) -> tuple[Decision, PolicyState]:
     """The count for now, and the state for the next poll."""
+    bounds = (spec.min_replicas, spec.max_replicas)
+    kept = min(max(current, bounds[0]), bounds[1])  # a count outside the bounds comes back
     if state.started is None:
-        state = replace(state, started=now)
+        state = replace(state, started=now, first_count=kept)
     if load.demand > 0:
         state = replace(state, last_active=now)
     raw, why = recommend(spec, current, load)
@@ -140,28 +147,42 @@ def decide(
     history += ((now, bounded),)
     state = replace(state, recommendations=history)
 
-    if current < spec.min_replicas or current > spec.max_replicas:
-        target = min(max(current, spec.min_replicas), spec.max_replicas)
+    decision = _stabilised(spec, kept, bounded, why, history, state, now)
+    if kept != current:
         reason = (
             f"{current} replicas is outside [{spec.min_replicas}, {spec.max_replicas}] "
-            "(spec.autoscaling owns the count)"
+            f"(spec.autoscaling owns the count); {decision.reason}"
         )
-        return Decision(target, reason, "Bounds"), state
+        return Decision(decision.replicas, reason, "Bounds"), state
+    return decision, state
+
+
+def _stabilised(
+    spec: Autoscaling,
+    current: int,
+    bounded: int,
+    why: str,
+    history: tuple[tuple[float, int], ...],
+    state: PolicyState,
+    now: float,
+) -> Decision:
+    """The windows applied to the bounded recommendation."""
     if bounded == current:
-        return Decision(current, why), state
+        return Decision(current, why)
     if current == 0:
-        return Decision(bounded, f"woken: {why}", "FromZero"), state
+        return Decision(bounded, f"woken: {why}", "FromZero")
     if bounded == 0:
-        idle = spec.scale_to_zero_after_seconds
-        return Decision(0, f"no request for {idle} s", "ToZero"), state
+        return Decision(0, f"no request for {spec.scale_to_zero_after_seconds} s", "ToZero")
     if bounded > current:
         window = [r for t, r in history if now - t <= spec.scale_up_window_seconds]
         target = max(current, min(window))
         direction: ScalingDirection = "Up"
     else:
         window = [r for t, r in history if now - t <= spec.scale_down_window_seconds]
+        if state.started is not None and now - state.started < spec.scale_down_window_seconds:
+            window.append(state.first_count)
         target = min(current, max(window))
         direction = "Down"
     if target == current:
-        return Decision(current, f"{why}; waiting out the {direction.lower()} window"), state
-    return Decision(target, why, direction), state
+        return Decision(current, f"{why}; waiting out the {direction.lower()} window")
+    return Decision(target, why, direction)

@@ -16,7 +16,8 @@ What status shows (`status.autoscaling`) is kept here, in memory, and written by
 reconciler (the one writer of status) when `on_change` wakes it: at once after a decision,
 and at most every `STATUS_REFRESH_SECONDS` for a changed load, so an idle DynamoWorker costs
 no API request at all and a busy one a status write a minute. A new leader starts from the
-status the previous one left: its last decision's time seeds the windows.
+status the previous one left, and its policy waits a whole scale-down window before lowering
+the count it finds.
 """
 
 from __future__ import annotations
@@ -170,13 +171,9 @@ class Autoscaler:
         now = self.clock()
         tracked = self._tracked.get((namespace, name))
         if tracked is None:
-            tracked = _Tracked(PolicyState(), view=shown)
-            last = shown.last_decision if shown is not None else None
-            if last is not None:
-                # Carry on from the previous leader: its last count stays in the windows.
-                seed = ((last.time.timestamp(), last.to_replicas),)
-                tracked.policy = PolicyState(recommendations=seed)
-            self._tracked[(namespace, name)] = tracked
+            # A new leader carries on from the status the previous one wrote; the policy
+            # holds the current count for a whole scale-down window.
+            tracked = self._tracked[(namespace, name)] = _Tracked(PolicyState(), view=shown)
         load, readings = await self.read(tracked, pods, activator_ip)
         decision, tracked.policy = decide(spec, replicas, load, tracked.policy, now.timestamp())
         self._export(namespace, name, load, decision.replicas)
