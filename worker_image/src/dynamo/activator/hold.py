@@ -109,6 +109,7 @@ class Hold:
 
     async def _wait_held(self, ticket: Ticket, exclude: frozenset[str]) -> ReadyPod:
         while True:
+            next_change = self.fleet.next_change()
             pod = self.fleet.pick(ticket.model, exclude)
             if pod is not None:
                 return pod
@@ -119,7 +120,7 @@ class Hold:
                     f"DynamoWorker {self.worker} had no ready pod serving the request in"
                     f" {self.timeout_s:g} s: it waited for {ticket.waiting_for()}"
                 )
-            changed = asyncio.ensure_future(self.fleet.changed())
+            changed = asyncio.ensure_future(next_change.wait())
             closed = asyncio.ensure_future(self._closed.wait())
             try:
                 await asyncio.wait(

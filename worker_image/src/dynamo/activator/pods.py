@@ -109,9 +109,10 @@ class Fleet:
         self._next += 1
         return eligible[self._next % len(eligible)]
 
-    async def changed(self) -> None:
-        """Return at the next `update`."""
-        await self._changed.wait()
+    def next_change(self) -> asyncio.Event:
+        """An event set at the next `update`. Take it *before* looking at the pods, so an
+        update between the look and the wait is not missed."""
+        return self._changed
 
 
 PodSink = Callable[[list[ReadyPod]], None]
