@@ -1,0 +1,151 @@
+"""Presence: in discovery while it holds cards and no pod is ready, out as soon as one is;
+the record it publishes and the slice entry it applies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo.activator.app import Activator
+from dynamo.activator.cards import CapturedCards
+from dynamo.activator.config import ActivatorConfig
+from dynamo.activator.kube_presence import slice_apply
+from dynamo.activator.pods import MemoryPodSource, ReadyPod, served_models, tcp_address
+from dynamo.activator.presence import MemoryPresence, decide, presence_metadata
+from dynamo.runtime.discovery.base import AdapterCard, EndpointAddress, WorkerAdvertisement
+from dynamo.runtime.discovery.records import discovery_metadata, kubernetes_instance_id
+
+pytestmark = pytest.mark.unit
+
+CONFIG = ActivatorConfig(
+    worker="llama",
+    pod_name="llama-activator-7d9f",
+    namespace="team-a",
+    pod_uid="uid-a",
+    pod_ip="127.0.0.1",
+    http_port=0,
+    system_port=0,
+    bind_host="127.0.0.1",
+)
+
+
+def pod_metadata(pod: str = "llama-0") -> dict[str, Any]:
+    return discovery_metadata(
+        WorkerAdvertisement(
+            address=EndpointAddress("dynamo", "backend", "generate"),
+            instance_id=kubernetes_instance_id(pod),
+            served_model_name="llama",
+            model=str(Path("/nowhere")),
+            transport={"tcp": "10.0.0.7:9345/x/dynamo/backend/generate"},
+            request_plane_codec="msgpack",
+            adapters=(AdapterCard("SQL.lora", 1, "s3://b/sql"),),
+        )
+    )
+
+
+def ready(name: str = "llama-0") -> ReadyPod:
+    metadata = pod_metadata(name)
+    return ReadyPod(
+        name, "http://127.0.0.1:1", tcp_address(metadata), served_models(metadata), metadata
+    )
+
+
+@pytest.mark.parametrize(
+    ("cards", "pods", "stopping", "present"),
+    [
+        (True, 0, False, True),
+        (False, 0, False, False),
+        (True, 1, False, False),
+        (True, 0, True, False),
+    ],
+)
+def test_the_rule(cards: bool, pods: int, stopping: bool, present: bool) -> None:
+    assert decide(cards_ready=cards, ready_pods=pods, shutting_down=stopping) is present
+
+
+def test_the_record_is_the_captured_cards_under_the_activators_own_instance() -> None:
+    cards = CapturedCards("llama-0", pod_metadata()["model_cards"], {})
+    metadata = presence_metadata(cards, CONFIG.pod_name, "10.1.2.3", 9345)
+    mine = kubernetes_instance_id(CONFIG.pod_name)
+    key = f"dynamo/backend/generate/{mine:x}"
+    assert set(metadata["model_cards"]) == {key, key + "/sql_lora"}
+    assert {r["instance_id"] for r in metadata["model_cards"].values()} == {mine}
+    assert metadata["model_cards"][key + "/sql_lora"]["model_suffix"] == "sql_lora"
+    [(endpoint_key, endpoint)] = metadata["endpoints"].items()
+    assert endpoint_key == key
+    assert endpoint["instance_id"] == mine
+    assert endpoint["transport"] == {"tcp": f"10.1.2.3:9345/{mine:x}/dynamo/backend/generate"}
+    assert endpoint["request_plane_codec"] == "msgpack"
+    assert metadata["event_channels"] == metadata["event_sources"] == {}
+
+
+def test_the_slice_entry_is_the_activators_pod_and_only_endpoints() -> None:
+    applied = slice_apply(CONFIG, ready=True)
+    assert applied["metadata"] == {"name": "llama-activator", "namespace": "team-a"}
+    assert set(applied) == {"apiVersion", "kind", "metadata", "endpoints"}
+    [endpoint] = applied["endpoints"]
+    assert endpoint["addresses"] == ["127.0.0.1"]
+    assert endpoint["conditions"]["ready"] is True
+    assert endpoint["targetRef"] == {
+        "kind": "Pod",
+        "name": CONFIG.pod_name,
+        "namespace": "team-a",
+        "uid": "uid-a",
+    }
+    assert slice_apply(CONFIG, ready=False)["endpoints"] == []
+
+
+@pytest.fixture
+async def activator() -> AsyncIterator[tuple[Activator, MemoryPodSource, MemoryPresence]]:
+    source, presence = MemoryPodSource(), MemoryPresence()
+    running = Activator(CONFIG, source, presence)
+    await running.start()
+    yield running, source, presence
+    await running.stop()
+
+
+async def until(condition: Any) -> None:
+    """Poll a state the activator's background loop changes (it offers no event for it)."""
+    async with asyncio.timeout(10):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+async def test_it_steps_in_at_zero_and_out_when_a_pod_is_ready(
+    activator: tuple[Activator, MemoryPodSource, MemoryPresence],
+) -> None:
+    running, source, presence = activator
+    await source.started()
+    await asyncio.sleep(0.05)
+    assert presence.history == []  # no cards yet: never present (the model is unknown)
+    assert running.metrics.registry.get_sample_value("dynamo_activator_card_ready") == 0
+    source.set([ready()])
+    await until(lambda: running.cards is not None)
+    assert running.metrics.registry.get_sample_value("dynamo_activator_card_ready") == 1
+    assert presence.history == []  # a pod serves: stay out
+    source.set([])
+    await until(lambda: presence.present)
+    assert presence.metadata is not None
+    [endpoint] = presence.metadata["endpoints"].values()
+    assert endpoint["transport"]["tcp"].startswith(f"127.0.0.1:{running.tcp_port}/")
+    source.set([ready("llama-1")])
+    await until(lambda: not presence.present)
+    assert presence.metadata["endpoints"] == {}
+    assert presence.metadata["model_cards"]  # the cards stay, as a draining worker's do
+    assert presence.history == ["in", "out"]
+
+
+async def test_stopping_steps_out(
+    activator: tuple[Activator, MemoryPodSource, MemoryPresence],
+) -> None:
+    running, source, presence = activator
+    source.set([ready()])
+    await until(lambda: running.cards is not None)
+    source.set([])
+    await until(lambda: presence.present)
+    await running.stop()
+    assert not presence.present
