@@ -199,13 +199,10 @@ async def test_held_requests_are_answered_by_the_first_ready_pod_as_it_answers(
     assert held_stream.complete_final
     direct_front = FakeFrontend()
     await direct_front.start()
-    pod = source_pod = await as_pod(worker)
-    assert source_pod.tcp_address is not None
-    direct_stream = await send_tokens(
-        direct_front,
-        int(pod.tcp_address.split("/")[0].rsplit(":", 1)[1]),
-        pod.tcp_address.split("/", 1)[1],
-    )
+    pod = await as_pod(worker)
+    assert pod.tcp_address is not None
+    hostport, _, path = pod.tcp_address.partition("/")
+    direct_stream = await send_tokens(direct_front, int(hostport.rsplit(":", 1)[1]), path)
     await asyncio.wait_for(direct_stream.closed.wait(), 60)
     await direct_front.close()
     assert held_stream.token_ids() == direct_stream.token_ids() != []
