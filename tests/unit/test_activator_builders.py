@@ -95,8 +95,11 @@ def test_the_workers_admit_the_activator_and_it_admits_the_workers_peers() -> No
     assert {"matchLabels": {"dynamo.dev/activator": "llm"}} in [p.get("podSelector") for p in peers]
     assert workers["spec"]["podSelector"]["matchLabels"] == selector_labels("llm")
     assert activator["spec"]["podSelector"]["matchLabels"] == {"dynamo.dev/activator": "llm"}
-    # The activator stands in for the pods: the same peers as theirs, less itself.
+    # The activator stands in for the pods: the same peers as theirs, and the workers (the
+    # answers of forwarded requests call it home).
     assert activator["spec"]["ingress"][0] == workers["spec"]["ingress"][0]
+    activator_peers = [p.get("podSelector") for p in activator["spec"]["ingress"][1]["from"]]
+    assert {"matchLabels": selector_labels("llm")} in activator_peers
 
 
 def test_without_a_worker_image_the_spec_error_names_the_fix() -> None:

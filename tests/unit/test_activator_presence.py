@@ -96,7 +96,10 @@ def test_the_slice_entry_is_the_activators_pod_and_only_endpoints() -> None:
         "namespace": "team-a",
         "uid": "uid-a",
     }
-    assert slice_apply(CONFIG, ready=False)["endpoints"] == []
+    # Stepped out, the address stays, not ready: the operator's autoscaler reads it there.
+    [out] = slice_apply(CONFIG, ready=False)["endpoints"]
+    assert out["addresses"] == ["127.0.0.1"]
+    assert out["conditions"] == {"ready": False, "serving": False, "terminating": False}
 
 
 @pytest.fixture
@@ -120,13 +123,13 @@ async def test_it_steps_in_at_zero_and_out_when_a_pod_is_ready(
 ) -> None:
     running, source, presence = activator
     await source.started()
-    await asyncio.sleep(0.05)
-    assert presence.history == []  # no cards yet: never present (the model is unknown)
+    # Announced (its address, not ready) but, without cards, never present.
+    await until(lambda: presence.history == ["out"])
     assert running.metrics.registry.get_sample_value("dynamo_activator_card_ready") == 0
     source.set([ready()])
     await until(lambda: running.cards is not None)
     assert running.metrics.registry.get_sample_value("dynamo_activator_card_ready") == 1
-    assert presence.history == []  # a pod serves: stay out
+    assert presence.history == ["out"]  # a pod serves: stay out
     source.set([])
     await until(lambda: presence.present)
     assert presence.metadata is not None
@@ -136,7 +139,7 @@ async def test_it_steps_in_at_zero_and_out_when_a_pod_is_ready(
     await until(lambda: not presence.present)
     assert presence.metadata["endpoints"] == {}
     assert presence.metadata["model_cards"]  # the cards stay, as a draining worker's do
-    assert presence.history == ["in", "out"]
+    assert presence.history == ["out", "in", "out"]
 
 
 async def test_stopping_steps_out(

@@ -61,6 +61,7 @@ class Activator:
         self._session: aiohttp.ClientSession | None = None
         self._relay: TcpRelay | None = None
         self.http_port = self.system_port = self.tcp_port = 0
+        self._announced = False
 
     async def start(self) -> None:
         """Listen on every port, then follow the pods."""
@@ -140,6 +141,11 @@ class Activator:
         """One pass; True when something failed and should be retried."""
         pods = self.fleet.pods
         failed = False
+        if not self._announced:
+            # Its address in the slice, not ready: the operator's autoscaler finds the
+            # activator there (held requests, whether it holds a card) before it steps in.
+            await self._presence.step_out()
+            self._announced = True
         if pods and self._present:
             await self._step_out()
         if pods and pods[0].metadata.get("model_cards") != self._captured_from:

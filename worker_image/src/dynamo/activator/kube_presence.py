@@ -5,8 +5,9 @@
   worker publishes its own (`dynamo.runtime.discovery.kubernetes`).
 * The `<worker>-activator` EndpointSlice is created, empty, by the operator. The activator
   server-side-applies only its `endpoints` (field manager `dynamo-activator`, forced): its
-  `POD_IP` with `targetRef` its pod and `ready: true` to step in, an empty list to step out.
-  It never creates the slice: without it, applying fails (and is retried).
+  `POD_IP` with `targetRef` its pod, `ready: true` to step in, `ready: false` to step out
+  (from its start on, so the operator's autoscaler always finds its address there). It never
+  creates the slice: without it, applying fails (and is retried).
 """
 
 from __future__ import annotations
@@ -37,13 +38,17 @@ _RETRIES = 5
 
 
 def slice_apply(config: ActivatorConfig, ready: bool) -> dict[str, Any]:
-    """The apply configuration of the activator's slice: its endpoint, or none."""
-    endpoints: list[dict[str, Any]] = []
-    if ready:
-        endpoints.append(
+    """The apply configuration of the activator's slice: its one endpoint, ready or not. A
+    not-ready endpoint routes nothing (kube-proxy and upstream's discovery take ready ones
+    only) and tells the operator's autoscaler where to read the activator's held requests."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": config.activator_slice, "namespace": config.namespace},
+        "endpoints": [
             {
                 "addresses": [config.pod_ip],
-                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "conditions": {"ready": ready, "serving": ready, "terminating": False},
                 "targetRef": {
                     "kind": "Pod",
                     "name": config.pod_name,
@@ -51,12 +56,7 @@ def slice_apply(config: ActivatorConfig, ready: bool) -> dict[str, Any]:
                     "uid": config.pod_uid,
                 },
             }
-        )
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {"name": config.activator_slice, "namespace": config.namespace},
-        "endpoints": endpoints,
+        ],
     }
 
 

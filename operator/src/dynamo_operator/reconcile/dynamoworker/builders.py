@@ -338,8 +338,8 @@ def desired_network_policy(
     """Ingress to the worker pods (or, with `activator`, to the activator's pod, which stands
     in for them and so admits the same peers): the system port from the operator's pods and
     spec.networkPolicy.systemPortNamespaces; every port from this worker's frontend (when
-    spec.frontend is set), its activator (when it may scale to zero: held requests are
-    forwarded to the pods) and spec.networkPolicy.clientNamespaces (the TCP request plane and
+    spec.frontend is set), the activator or the workers for each other (when the worker may
+    scale to zero) and spec.networkPolicy.clientNamespaces (the TCP request plane and
     the event plane listen on ephemeral ports that discovery advertises, so no port list can
     name them). Egress is not limited (model and adapter downloads)."""
     worker, namespace, _ = m.identity(dw)
@@ -354,9 +354,12 @@ def desired_network_policy(
         "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}},
     }
     clients = [_namespace_peer(n) for n in policy.client_namespaces]
-    if wants_activator(dw) and not activator:
-        activator_pods = {"matchLabels": activator_selector_labels(worker)}
-        clients.insert(0, {**_namespace_peer(namespace), "podSelector": activator_pods})
+    if wants_activator(dw):
+        # The workers admit their activator (it forwards held requests and reads their card
+        # files); the activator admits the workers (a forwarded request's answer calls the
+        # activator home, on a port of its own).
+        peer = selector_labels(worker) if activator else activator_selector_labels(worker)
+        clients.insert(0, {**_namespace_peer(namespace), "podSelector": {"matchLabels": peer}})
     if dw.spec.frontend is not None:
         frontend_pods = {"matchLabels": frontend_selector_labels(worker)}
         clients.insert(0, {**_namespace_peer(namespace), "podSelector": frontend_pods})
