@@ -18,6 +18,7 @@ from pydantic import Field
 
 from dynamo_operator.api.base import ApiModel, Rule, StatusModel
 from dynamo_operator.api.common import JSON_SAFE_INT_MAX, MAX_REPLICAS, Timestamp
+from dynamo_operator.api.pod import PodOverrides
 
 MAX_WINDOW_SECONDS = 86400
 DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 300
@@ -90,6 +91,12 @@ class Autoscaling(ApiModel):
         le=3600,
         description="With minReplicas 0: how long a request is held for a pod to become ready "
         "before it ends with 503 and Retry-After.",
+    )
+    activator_pod: PodOverrides | None = Field(
+        default=None,
+        description="With minReplicas 0: additions to the activator's pod (a small CPU pod). "
+        "Place it on nodes that stay up while the worker is at zero, not on GPU nodes a "
+        "cluster autoscaler may remove.",
     )
 
     cel_rules = (

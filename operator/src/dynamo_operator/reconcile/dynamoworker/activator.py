@@ -106,6 +106,8 @@ def desired_activator_deployment(
         (str(wi.Env.HOME), wi.TMP_PATH),
     ]
     env: list[Manifest] = [{"name": k, "value": v} for k, v in plain] + m.downward_env()
+    overrides = autoscaling.activator_pod
+    env += m.user_env(overrides, "spec.autoscaling.activatorPod", {e["name"] for e in env})
     probe = {"port": routes.SYSTEM_PORT_NAME}
     container: Manifest = {
         "name": wi.CONTAINER_NAME,
@@ -121,10 +123,15 @@ def desired_activator_deployment(
         ],
         "env": env,
         "resources": ACTIVATOR_RESOURCES,
-        "livenessProbe": {"httpGet": {"path": routes.HEALTH_PATH, **probe}, **wi.LIVENESS},
+        # It listens within a second of its start and loads no model: no startup probe, and
+        # the frontend's tolerant timings (three misses before a restart).
+        "livenessProbe": {
+            "httpGet": {"path": routes.HEALTH_PATH, **probe},
+            **wi.FRONTEND_LIVENESS,
+        },
         "readinessProbe": {
             "httpGet": {"path": ACTIVATOR_READY_PATH, **probe},
-            **wi.READINESS,
+            **wi.FRONTEND_READINESS,
         },
         "securityContext": dict(m.CONTAINER_SECURITY_CONTEXT),
         "volumeMounts": [{"name": m.VOLUME_TMP, "mountPath": wi.TMP_PATH}],
@@ -139,6 +146,7 @@ def desired_activator_deployment(
         "securityContext": dict(m.POD_SECURITY_CONTEXT),
         "containers": [container],
         "volumes": [{"name": m.VOLUME_TMP, "emptyDir": {}}],
+        **m.scheduling(overrides),
     }
     if settings.worker_image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.worker_image_pull_secrets]
@@ -147,7 +155,7 @@ def desired_activator_deployment(
         name,
         1,
         activator_selector_labels(worker),
-        {"metadata": {"labels": activator_labels(worker)}, "spec": pod_spec},
+        {"metadata": m.pod_metadata(overrides, activator_labels(worker), {}), "spec": pod_spec},
         ACTIVATOR_COMPONENT,
     )
 
