@@ -295,6 +295,7 @@ def _parser_section(
 
 def cli_reference() -> str:
     """docs/reference/cli.md, from the parsers themselves."""
+    from dynamo.activator import cli as activator_cli
     from dynamo.engines import sample, transformers_engine, worker_args
     from dynamo.runtime import cli as worker_cli
     from dynamo.runtime import model_cache_cli, settings
@@ -386,6 +387,16 @@ def cli_reference() -> str:
         "done, 1 on a failure a retry may cure, 2 on one it cannot (the Job then fails at "
         "once).\n"
     )
+    activator = activator_cli.build_parser()
+    out += [
+        "## dynamo-activator\n",
+        "What the operator runs, from the worker image, for a DynamoWorker that may scale to "
+        "zero ([Autoscaling](../guides/autoscaling.md)). It is configured by environment "
+        "only; `dynamo-activator --help` prints:\n",
+        "```text",
+        activator.format_help().rstrip(),
+        "```\n",
+    ]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -418,7 +429,9 @@ def _metrics_table(rows: Sequence[tuple[str, str, str, tuple[str, ...]]]) -> lis
 
 
 def metrics_reference() -> str:
-    """docs/reference/metrics.md, from the operator's and the worker runtime's registries."""
+    """docs/reference/metrics.md, from the operator's, the worker runtime's and the
+    activator's registries."""
+    from dynamo.activator import metrics as activator_metrics
     from dynamo.runtime import metrics as worker_metrics
     from dynamo_operator import metrics as operator_metrics
 
@@ -427,9 +440,11 @@ def metrics_reference() -> str:
     worker.set_model("model", "model")
     operator_doc = (operator_metrics.__doc__ or "").split("\n\n", 1)[-1].strip()
     worker_doc = (worker_metrics.__doc__ or "").split("\n\n", 1)[-1].strip()
+    activator_doc = (activator_metrics.__doc__ or "").split("\n\n", 1)[-1].strip()
     out = [
         GENERATED_NOTE.format(
-            source="the Prometheus registries of dynamo_operator.metrics and dynamo.runtime.metrics"
+            source="the Prometheus registries of dynamo_operator.metrics, dynamo.runtime.metrics "
+            "and dynamo.activator.metrics"
         ),
         "# Metrics\n",
         "The metric families the operator and the worker runtime register (histograms also "
@@ -446,6 +461,11 @@ def metrics_reference() -> str:
         *_metrics_table(_families(worker.registry)),
         "",
         worker_doc,
+        "",
+        "## Activator (`/metrics` on an activator pod's system port)\n",
+        *_metrics_table(_families(activator_metrics.ActivatorMetrics().registry)),
+        "",
+        activator_doc,
         "",
     ]
     return "\n".join(out).rstrip() + "\n"

@@ -37,8 +37,9 @@ ENVIRONMENT = """environment:
 """
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (options: only --help; the environment configures it)."""
+    return argparse.ArgumentParser(
         prog="dynamo-activator",
         description=(
             "Stands in for a DynamoWorker's pods while it is scaled to zero: keeps its model"
@@ -47,7 +48,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         epilog=ENVIRONMENT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    return parser.parse_args(list(argv))
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
 
 
 async def serve(config: ActivatorConfig, environ: Mapping[str, str]) -> None:
