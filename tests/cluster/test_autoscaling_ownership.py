@@ -91,7 +91,7 @@ async def test_the_autoscaler_owns_replicas_and_explains_itself(
         worker = await eventually(
             lambda: get_worker(api, namespace, "auto"),
             60,
-            lambda w: ((w.get("status") or {}).get("autoscaling") or {}).get("lastDecision"),
+            lambda w: "lastDecision" in ((w.get("status") or {}).get("autoscaling") or {}),
         )
         decision = worker["status"]["autoscaling"]["lastDecision"]
         assert (decision["fromReplicas"], decision["toReplicas"]) == (7, 3), decision

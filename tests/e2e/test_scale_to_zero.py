@@ -30,6 +30,7 @@ import openai
 import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
+from openai.types.chat import ChatCompletionMessageParam
 
 from support.cluster import Cluster
 from support.operator_namespace import (
@@ -58,7 +59,7 @@ AUTOSCALING = {
     "holdTimeoutSeconds": HOLD_TIMEOUT,
     "activatorPod": ON_PROCESS_NODE,
 }
-PROMPT = [{"role": "user", "content": "wake up"}]
+PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "wake up"}]
 
 
 class Bed(OperatorNamespace):
@@ -144,7 +145,7 @@ async def chat(base: str, model: str = SERVED) -> tuple[str, str | None]:
     async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=120) as oai:
         answer = await oai.chat.completions.create(
             model=model,
-            messages=PROMPT,  # type: ignore[arg-type]
+            messages=PROMPT,
             max_tokens=8,
             temperature=0,
             stream=True,

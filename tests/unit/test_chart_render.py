@@ -385,7 +385,8 @@ def required_permissions() -> tuple[set[Permission], set[Permission]]:
     assert "create_event(" in source
     need.add(("events.k8s.io", "events", "create", ()))  # the reconciler's Events
     need.add(("", "events", "create", ()))  # kopf posts core/v1 Events (posting is on)
-    # The workers', the frontend's and the activator's Roles: RBAC lets the operator grant only what it holds.
+    # The workers', the frontend's and the activator's Roles: RBAC lets the operator grant
+    # only what it holds.
     roles = [c for c in builders.desired_children(dw, settings) if c["kind"] == "Role"]
     assert len(roles) == 3
     for role in roles:
