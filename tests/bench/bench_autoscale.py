@@ -44,6 +44,7 @@ from support.api_cases import dynamo_worker
 from support.cluster import Cluster, eventually
 from support.operator_namespace import ON_PROCESS_NODE, operator_namespace, serving_worker_spec
 from support.operator_process import OperatorProcess, running_operator
+from support.testbed_workers import service_addresses
 from support.tiny_model import TinyModel
 
 pytestmark = [pytest.mark.bench, pytest.mark.cluster]
@@ -157,20 +158,6 @@ class Profile:
 def p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-async def service_addresses(api: client.ApiClient, namespace: str, worker: str) -> list[str]:
-    """The worker Service's ready addresses, as its DNS name resolves (headless)."""
-    slices = await client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
-        namespace, label_selector=f"kubernetes.io/service-name={worker}"
-    )
-    return sorted(
-        a
-        for s in slices.items
-        for e in s.endpoints or []
-        if e.conditions and e.conditions.ready
-        for a in e.addresses
-    )
 
 
 async def first_token(base: str, served: str) -> float:

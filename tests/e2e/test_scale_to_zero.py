@@ -41,6 +41,7 @@ from support.operator_namespace import (
     operator_namespace,
     serving_worker_spec,
 )
+from support.testbed_workers import service_addresses
 from support.tiny_model import TinyModel
 from support.upstream import upstream_python
 
@@ -77,18 +78,7 @@ class Bed(OperatorNamespace):
         return await self.pods(f"dynamo.dev/worker={WORKER}")
 
     async def service_addresses(self) -> list[str]:
-        """What a client of the headless worker Service resolves: the ready addresses of its
-        EndpointSlices (the pods', or the activator's at zero), as cluster DNS answers."""
-        slices = await client.DiscoveryV1Api(self.api).list_namespaced_endpoint_slice(
-            self.namespace, label_selector=f"kubernetes.io/service-name={WORKER}"
-        )
-        return sorted(
-            address
-            for s in slices.items
-            for e in s.endpoints or []
-            if e.conditions and e.conditions.ready
-            for address in e.addresses
-        )
+        return await service_addresses(self.api, self.namespace, WORKER)
 
     async def activator_metric(self, name: str) -> float:
         [pod] = await self.pods(f"dynamo.dev/activator={WORKER}")

@@ -31,6 +31,7 @@ from support.kubelet_release import (
 )
 from support.s3 import TESTBED_HOST, S3Server
 from support.s3_sigv4 import sigv4_s3_server
+from support.testbed_workers import service_addresses
 from support.tiny_model import TinyModel
 
 pytestmark = pytest.mark.e2e
@@ -49,20 +50,6 @@ def model_bucket(tiny_model: TinyModel, tmp_path: Path) -> Iterator[S3Server]:
         s3.client().create_bucket(Bucket=BUCKET)
         s3.upload_dir(BUCKET, "base", tiny_model.base)
         yield s3
-
-
-async def _service_addresses(api: client.ApiClient, namespace: str) -> list[str]:
-    """The worker Service's ready addresses, as its (headless) DNS name resolves."""
-    slices = await client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
-        namespace, label_selector=f"kubernetes.io/service-name={WORKER}"
-    )
-    return sorted(
-        a
-        for s in slices.items
-        for e in s.endpoints or []
-        if e.conditions and e.conditions.ready
-        for a in e.addresses
-    )
 
 
 async def _pods(api: client.ApiClient, namespace: str, selector: str) -> list[Any]:
@@ -120,7 +107,7 @@ async def test_a_request_at_zero_starts_a_real_pod_and_is_answered(
         worker_pods = f"dynamo.dev/worker={WORKER}"
         try:
             [address] = await eventually(
-                lambda: _service_addresses(api, watched), READY_WITHIN, lambda a: len(a) == 1
+                lambda: service_addresses(api, watched, WORKER), READY_WITHIN, lambda a: len(a) == 1
             )
             before = await _chat(f"http://{address}:8000")
             # Idle: down to zero, and the Service's one ready address is the activator's.
@@ -129,7 +116,7 @@ async def test_a_request_at_zero_starts_a_real_pod_and_is_answered(
             [activator] = await _pods(api, watched, f"dynamo.dev/activator={WORKER}")
             assert activator.spec.security_context.run_as_non_root is True
             [address] = await eventually(
-                lambda: _service_addresses(api, watched), 60, lambda a: len(a) == 1
+                lambda: service_addresses(api, watched, WORKER), 60, lambda a: len(a) == 1
             )
             assert address == activator.status.pod_ip
             started = time.monotonic()

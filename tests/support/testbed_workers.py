@@ -1,8 +1,8 @@
 """Questions the e2e tests ask about a DynamoWorker's pods on the test bed and the upstream
 frontend in front of them: requests served and in flight (from each pod's /metrics), each
 pod's kv-events channel (from its DynamoWorkerMetadata), whether the frontend subscribed to
-them (from its log, which the process node keeps), and where KV-aware routing sends prompts
-each pod cached through its own route."""
+them (from its log, which the process node keeps), where KV-aware routing sends prompts
+each pod cached through its own route, and what the worker Service resolves to."""
 
 from __future__ import annotations
 
@@ -12,10 +12,28 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster import Cluster
 from support.operator_namespace import OperatorNamespace
+
+
+async def service_addresses(api: client.ApiClient, namespace: str, service: str) -> list[str]:
+    """What a client of the headless Service `service` resolves: the ready addresses of its
+    EndpointSlices (the pods', or the activator's while the DynamoWorker is at zero), as the
+    cluster's DNS answers."""
+    slices = await client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+        namespace, label_selector=f"kubernetes.io/service-name={service}"
+    )
+    return sorted(
+        address
+        for found in slices.items
+        for endpoint in found.endpoints or []
+        if endpoint.conditions and endpoint.conditions.ready
+        for address in endpoint.addresses
+    )
+
 
 # Colour codes in the frontend's log lines (its Rust logger colours them).
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")

@@ -113,14 +113,7 @@ def desired_activator_deployment(
         "name": wi.CONTAINER_NAME,
         "image": activator_image(settings),
         "command": list(ACTIVATOR_COMMAND),
-        "ports": [
-            {
-                "name": routes.SYSTEM_PORT_NAME,
-                "containerPort": routes.SYSTEM_PORT,
-                "protocol": "TCP",
-            },
-            {"name": wi.HTTP_PORT_NAME, "containerPort": wi.HTTP_PORT, "protocol": "TCP"},
-        ],
+        "ports": m.serving_ports(),
         "env": env,
         "resources": ACTIVATOR_RESOURCES,
         # It listens within a second of its start and loads no model: no startup probe, and

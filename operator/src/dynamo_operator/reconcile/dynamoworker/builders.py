@@ -206,14 +206,7 @@ def desired_deployment(
         "image": worker_image(dw, settings),
         "command": list(wi.COMMAND),
         "args": wi.worker_args(spec),
-        "ports": [
-            {
-                "name": routes.SYSTEM_PORT_NAME,
-                "containerPort": routes.SYSTEM_PORT,
-                "protocol": "TCP",
-            },
-            {"name": wi.HTTP_PORT_NAME, "containerPort": wi.HTTP_PORT, "protocol": "TCP"},
-        ],
+        "ports": m.serving_ports(),
         "env": env,
         "resources": _resources(spec),
         "startupProbe": _probe(routes.LIVE_PATH, wi.STARTUP),

@@ -196,6 +196,15 @@ def deployment(
     }
 
 
+def serving_ports() -> list[Manifest]:
+    """The container ports of a worker pod (and of the activator, which stands in for it):
+    the system port and the OpenAI HTTP port."""
+    return [
+        {"name": routes.SYSTEM_PORT_NAME, "containerPort": routes.SYSTEM_PORT, "protocol": "TCP"},
+        {"name": wi.HTTP_PORT_NAME, "containerPort": wi.HTTP_PORT, "protocol": "TCP"},
+    ]
+
+
 def service_port(name: str, port: int) -> Manifest:
     """A TCP Service port forwarding to the container port of the same name."""
     return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
