@@ -50,7 +50,7 @@ pytestmark = pytest.mark.e2e
 WORKER = "sleepy"
 SERVED = "tiny-llama"
 ADAPTER = "sql-lora"
-HOLD_TIMEOUT = 30
+HOLD_TIMEOUT = 15
 AUTOSCALING = {
     "minReplicas": 0,
     "maxReplicas": 2,
