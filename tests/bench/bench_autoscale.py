@@ -110,6 +110,7 @@ async def idle_cost(
         return spent / IDLE_WORKERS / minutes
 
 
+@pytest.mark.timeout(1800)
 async def test_idle_autoscaler_api_cost(
     api: client.ApiClient, cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
@@ -258,6 +259,7 @@ def profile_spec(base_model: Path, autoscaling: dict[str, Any] | None) -> dict[s
     return spec
 
 
+@pytest.mark.timeout(3600)
 async def test_autoscale_profile(
     api: client.ApiClient,
     testbed: Cluster,
