@@ -11,7 +11,8 @@ pod network every second and evaluates the chart's rule file as it ships.
 
 The test drives what the panels show: completions from the base model and an adapter, one
 request for an unknown model (an error), one adapter that loads and one whose source does not
-exist (load failures, Degraded). Then every dashboard query must return data, and every alert
+exist (load failures, Degraded); the worker is autoscaled within 1..1 so that the autoscaler
+exports its load. Then every dashboard query must return data, and every alert
 expression must evaluate, with each series it selects present, and every rule must be healthy.
 """
 
@@ -197,6 +198,9 @@ async def bed(
                 ),
                 # So that drive_traffic can have a request refused by the budget.
                 "tokenBudget": {"combinedLimit": 64, "rejectTotalOverflow": True},
+                # The autoscaler panels' series: the autoscaler reads this worker's load
+                # and exports it, with bounds that keep its one pod.
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 1, "targetInFlightPerPod": 4},
             },
         }
         await space.create("dynamoworkers", worker)
