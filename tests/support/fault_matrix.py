@@ -182,12 +182,15 @@ async def wait_converged(
     space: Space, target: Target, operator: OperatorProcess, within: float = CONVERGE_WITHIN
 ) -> None:
     try:
-        await operator.eventually(
-            f"convergence to {target}", lambda: _converged(space, target), within, bool
-        )
+        await eventually(lambda: _converged(space, target), within, bool, every=0.3)
     except AssertionError as err:
+        # The cluster's state first: a long operator log after it must not push it out of a
+        # truncated report.
         state = await _state(space, target)
-        raise AssertionError(f"{err}\nwhat the cluster held:\n{state}") from None
+        raise AssertionError(
+            f"convergence to {target}: {err}\nwhat the cluster held:\n{state}\n"
+            f"operator log:\n{operator.log_tail(80)}"
+        ) from None
 
 
 async def _state(space: Space, target: Target) -> str:
