@@ -306,6 +306,39 @@ _INVALID = [
     ),
     Invalid("dw-replicas-too-many", dynamo_worker(spec={"replicas": 5000}), "spec.replicas"),
     Invalid(
+        "dw-autoscaling-min-above-max",
+        dynamo_worker(
+            spec={"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "targetInFlightPerPod": 4}}
+        ),
+        "spec.autoscaling.minReplicas",
+        "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas",
+    ),
+    Invalid(
+        "dw-autoscaling-no-target",
+        dynamo_worker(spec={"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}),
+        "spec.autoscaling",
+        "spec.autoscaling needs a target: set targetInFlightPerPod, targetKvCachePercent or "
+        "ttftP90Milliseconds",
+    ),
+    Invalid(
+        "dw-autoscaling-target-zero",
+        dynamo_worker(spec={"autoscaling": {"maxReplicas": 2, "targetInFlightPerPod": 0}}),
+        "spec.autoscaling.targetInFlightPerPod",
+    ),
+    Invalid(
+        "dw-autoscaling-window-negative",
+        dynamo_worker(
+            spec={
+                "autoscaling": {
+                    "maxReplicas": 2,
+                    "targetKvCachePercent": 70,
+                    "scaleDownWindowSeconds": -1,
+                }
+            }
+        ),
+        "spec.autoscaling.scaleDownWindowSeconds",
+    ),
+    Invalid(
         "dw-source-scheme",
         dynamo_worker(spec={"model": {"source": "gs://bucket/model"}}),
         "spec.model.source",
