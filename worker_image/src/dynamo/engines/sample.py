@@ -18,7 +18,12 @@ iteration-level scheduler so it behaves like a real engine towards the runtime:
   `--total-kv-blocks` and reports blocks stored and evicted (`kv_event_sources`);
 * data-parallel ranks `[start, start + size)` (`--data-parallel-size`,
   `--data-parallel-start-rank`); a request's `routing.dp_rank` picks its rank, else ranks are
-  used in turn.
+  used in turn;
+* disaggregated serving (`--disaggregation-mode`), as upstream's sample engine: a prefill
+  worker stops after one token and hands over `kv_transfer_params` naming the prompt (a
+  digest of its tokens and adapter); a decode worker refuses a request without a prefill
+  result, or with one made for another prompt, and then generates what an aggregated worker
+  would. Health probes run whole on either role.
 """
 
 from __future__ import annotations
@@ -37,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.common import backend
+from dynamo.common.backend.disagg import (
+    prefill_only,
+    received_kv_transfer_params,
+    require_prefill_result,
+    with_prefill_usage,
+)
+from dynamo.common.backend.health_check import is_probe
 from dynamo.common.backend.publisher import KvEventSource, PushSource
+from dynamo.common.constants import DisaggregationMode
 from dynamo.common.forward_pass_metrics import WelfordAccumulator
 from dynamo.common.lora import LoRAManager
 from dynamo.engines import worker_args
@@ -68,6 +81,7 @@ class SampleEngineArgs:
     max_loras: int = worker_args.DEFAULT_MAX_LORAS
     # Seconds `start` takes, to stand in for loading a model.
     startup_delay: float = 0.0
+    disaggregation_mode: str = DisaggregationMode.AGGREGATED.value
 
     def __post_init__(self) -> None:
         minimums = {
@@ -200,6 +214,13 @@ class SampleEngine(LoRAHostEngine):
             raise RuntimeError("the sample engine is not running (start() it first)")
         token_ids = list(request.get("token_ids") or [])
         adapter = self._adapter_for(request.get("model"))
+        mode = DisaggregationMode(self.args.disaggregation_mode)
+        prefill_result = None
+        if mode is DisaggregationMode.PREFILL and not is_probe(request):
+            request = prefill_only(request)
+        elif mode is DisaggregationMode.DECODE and not is_probe(request):
+            prefill_result = require_prefill_result(request, mode)
+            _check_handoff(prefill_result, token_ids, adapter)
         stop = request.get("stop_conditions") or {}
         max_tokens = int(stop.get("max_tokens") or self.args.max_tokens)
         max_tokens = max(0, min(max_tokens, self.args.context_length - len(token_ids)))
@@ -217,9 +238,13 @@ class SampleEngine(LoRAHostEngine):
         try:
             while True:
                 chunk = await seq.queue.get()
-                yield chunk
-                if "finish_reason" in chunk:
-                    return
+                if "finish_reason" not in chunk:
+                    yield chunk
+                    continue
+                if mode is DisaggregationMode.PREFILL and not is_probe(request):
+                    chunk["disaggregated_params"] = _handoff(token_ids, adapter)
+                yield with_prefill_usage(chunk, prefill_result)
+                return
         finally:
             seq.done = True
             if self._active.get(key) is seq:
@@ -407,6 +432,26 @@ class SampleEngine(LoRAHostEngine):
     async def _unload_adapter(self, name: str, lora_id: int) -> None:
         del lora_id
         self.adapter_paths.pop(name, None)
+
+
+def _handoff(token_ids: list[int], adapter: str | None) -> dict[str, Any]:
+    """What a sample prefill worker hands over: the prompt it prefilled, by digest."""
+    return {"kv_transfer_params": {"sample_prompt": f"{output_seed(token_ids, adapter):016x}"}}
+
+
+def _check_handoff(
+    prefill_result: dict[str, Any], token_ids: list[int], adapter: str | None
+) -> None:
+    """Refuse a prefill result that is missing or made for another prompt or adapter (a router
+    that paired the wrong requests)."""
+    received = received_kv_transfer_params(prefill_result)
+    expected = _handoff(token_ids, adapter)["kv_transfer_params"]
+    if received != expected:
+        raise RequestError(
+            f"prefill_result carries kv_transfer_params {received!r}, not those of this "
+            f"prompt and adapter ({expected!r})",
+            param="prefill_result",
+        )
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

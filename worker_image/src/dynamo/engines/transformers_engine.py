@@ -378,6 +378,7 @@ class TransformersEngine(LoRAHostEngine):
                 "checkpoint directory"
             )
         args, config = worker_args.engine_settings(parser, ns, TransformersEngineArgs)
+        worker_args.require_aggregated(parser, config, "the transformers engine")
         return cls(args), config
 
     async def start(self, worker_id: int) -> EngineConfig:

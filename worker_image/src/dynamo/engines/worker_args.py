@@ -1,10 +1,10 @@
 """The flags every engine shares, the `WorkerConfig` an engine's `from_args` returns, and
 what the shared flags mean for a request (its forced data-parallel rank) and for the canary.
 
-`dynamo-worker` passes an engine `--model`, `--served-model-name`, `--max-loras` and the
-data-parallel flags when they are given; every engine also takes `--namespace`,
-`--component` and `--endpoint`. The engine adds its own flags (and `--model`, whose meaning
-is the engine's) to the same parser.
+`dynamo-worker` passes an engine `--model`, `--served-model-name`, `--max-loras`, the
+data-parallel flags and `--disaggregation-mode` when they are given; every engine also takes
+`--namespace`, `--component` and `--endpoint`. The engine adds its own flags (and `--model`,
+whose meaning is the engine's) to the same parser.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from dynamo.common.backend.disagg import DISAGGREGATION_MODES
 from dynamo.common.backend.dp_rank import forced_dp_rank, validate_global_dp_rank
 from dynamo.common.backend.engine import GenerateRequest
 from dynamo.common.backend.health_check import bos_token_id_or, build_health_check_payload
 from dynamo.common.backend.worker_config import WorkerConfig
+from dynamo.common.constants import DisaggregationMode
 from dynamo.common.utils.namespace import get_worker_namespace
 from dynamo.runtime.settings import request_plane_from_env
 
@@ -53,23 +55,54 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="global rank of this engine's first data-parallel rank (default 0)",
     )
+    add(
+        "--disaggregation-mode",
+        default=DisaggregationMode.AGGREGATED.value,
+        choices=DISAGGREGATION_MODES,
+        help="the worker's role, as upstream's `python -m dynamo.vllm` names it: agg "
+        "(default: prefill and decode), prefill (fill the KV cache for a decode worker to pull) "
+        "or decode (generate from a prefill worker's KV cache)",
+    )
     add("--namespace", default=None, help="Dynamo namespace (default $DYN_NAMESPACE or dynamo)")
-    add("--component", default="backend", help="component name (default backend)")
+    add(
+        "--component",
+        default=None,
+        help="component name (default: prefill for a prefill worker, else backend, as upstream)",
+    )
     add("--endpoint", default="generate", help="endpoint name (default generate)")
 
 
 def worker_config(ns: argparse.Namespace) -> WorkerConfig:
     """The `WorkerConfig` for parsed flags; discovery and request plane from the
     environment (`DYN_DISCOVERY_BACKEND`, default mem; `DYN_REQUEST_PLANE`)."""
+    mode = DisaggregationMode(ns.disaggregation_mode)
     return WorkerConfig(
         namespace=get_worker_namespace(ns.namespace),
-        component=ns.component,
+        component=ns.component or default_component(mode),
         endpoint=ns.endpoint,
         model_name=ns.model,
         served_model_name=ns.served_model_name,
         discovery_backend=os.environ.get("DYN_DISCOVERY_BACKEND") or "mem",
         request_plane=request_plane_from_env(os.environ),
+        disaggregation_mode=mode,
     )
+
+
+def default_component(mode: DisaggregationMode) -> str:
+    """Upstream's component for a role: prefill workers register under `prefill`, the rest
+    under `backend` (its frontend finds each role there)."""
+    return "prefill" if mode is DisaggregationMode.PREFILL else "backend"
+
+
+def require_aggregated(parser: argparse.ArgumentParser, config: WorkerConfig, engine: str) -> None:
+    """A usage error (exit 2) when an engine that cannot move its KV cache to another worker
+    is asked to serve one role of a disaggregated pair."""
+    if config.disaggregation_mode is not DisaggregationMode.AGGREGATED:
+        parser.error(
+            f"--disaggregation-mode {config.disaggregation_mode.value}: {engine} cannot hand "
+            "its KV cache to another worker; use the vllm engine (with --kv-transfer-config) "
+            "or --disaggregation-mode agg"
+        )
 
 
 # The shared flags' minimums, which every engine's settings are checked against too.

@@ -3,8 +3,9 @@
 The worker's own options are below; every one also has a `DYN_*` variable (the flag wins).
 Options the worker does not know, and everything after `--`, go to the engine's
 `from_args`; the worker also passes the engine `--model`, `--served-model-name`,
-`--max-loras` and the data-parallel flags when they are given (so an engine must accept the
-ones it is given). `dynamo-worker --engine X -- --help` shows the engine's own options.
+`--max-loras`, the data-parallel flags and `--disaggregation-mode` when they are given (so an
+engine must accept the ones it is given). `dynamo-worker --engine X -- --help` shows the
+engine's own options.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from dynamo.common.backend.disagg import DISAGGREGATION_MODES
 from dynamo.common.backend.engine import BaseEngine
 from dynamo.common.backend.worker_config import WorkerConfig
 
@@ -65,12 +67,13 @@ environment (each flag's variable; also read by the runtime):
   TCP request plane beside the HTTP routes, advertised in discovery so upstream's frontend
   routes here; http: the HTTP routes only), DYN_EVENT_PLANE (zmq|nats; default zmq: KV
   events and load beside the TCP plane; nats: none), DYN_DATA_PARALLEL_SIZE,
-  DYN_DATA_PARALLEL_START_RANK, DYN_LORA_ENABLED, DYN_MAX_LORAS, DYN_LORA_PATH,
-  DYN_SYSTEM_HOST, DYN_SYSTEM_PORT, DYN_SYSTEM_ADMIN_AUTH (+ DYN_SYSTEM_ADMIN_AUTH_WORKER),
-  DYN_HTTP_HOST, DYN_HTTP_PORT, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS,
-  DYN_PREFILL_DRAIN_TIMEOUT_S, DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT,
-  DYN_FORWARDPASS_METRIC_PORT, DYN_TOKEN_BUDGET_COMBINED_LIMIT,
-  DYN_TOKEN_BUDGET_REJECT_PROMPT_OVERFLOW, DYN_TOKEN_BUDGET_REJECT_TOTAL_OVERFLOW, DYN_LOG.
+  DYN_DATA_PARALLEL_START_RANK, DYN_DISAGGREGATION_MODE, DYN_LORA_ENABLED, DYN_MAX_LORAS,
+  DYN_LORA_PATH, DYN_SYSTEM_HOST, DYN_SYSTEM_PORT, DYN_SYSTEM_ADMIN_AUTH
+  (+ DYN_SYSTEM_ADMIN_AUTH_WORKER), DYN_HTTP_HOST, DYN_HTTP_PORT,
+  DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS, DYN_PREFILL_DRAIN_TIMEOUT_S,
+  DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT, DYN_FORWARDPASS_METRIC_PORT,
+  DYN_TOKEN_BUDGET_COMBINED_LIMIT, DYN_TOKEN_BUDGET_REJECT_PROMPT_OVERFLOW,
+  DYN_TOKEN_BUDGET_REJECT_TOTAL_OVERFLOW, DYN_LOG.
 also read: DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH, DYN_SYSTEM_STARTING_HEALTH_STATUS,
   DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, DYN_HEALTH_CHECK_ENABLED, DYN_HEALTH_CHECK_PAYLOAD,
   DYN_CANARY_WAIT_TIME, DYN_HEALTH_CHECK_REQUEST_TIMEOUT, DYN_FORWARDPASS_METRIC_HOST,
@@ -181,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         default=_env_int("DYN_DATA_PARALLEL_START_RANK"),
         help="first data-parallel rank (passed to the engine)",
+    )
+    disagg = parser.add_argument_group("disaggregated serving")
+    disagg.add_argument(
+        "--disaggregation-mode",
+        default=_env("DYN_DISAGGREGATION_MODE"),
+        choices=DISAGGREGATION_MODES,
+        help="the worker's role: agg (prefill and decode; the default), prefill or decode, as "
+        "upstream's `python -m dynamo.vllm` takes it (passed to the engine; the vllm engine "
+        "also needs --kv-transfer-config; DYN_DISAGGREGATION_MODE)",
     )
     lora = parser.add_argument_group("LoRA")
     lora.add_argument(
@@ -359,6 +371,8 @@ def engine_argv(args: argparse.Namespace, model: str | None, extras: Sequence[st
         argv += ["--data-parallel-size", str(args.data_parallel_size)]
     if args.data_parallel_start_rank is not None:
         argv += ["--data-parallel-start-rank", str(args.data_parallel_start_rank)]
+    if args.disaggregation_mode is not None:
+        argv += ["--disaggregation-mode", args.disaggregation_mode]
     rest = list(extras)
     if "--" in rest:
         rest.remove("--")

@@ -18,6 +18,13 @@ model taints, per-rank metrics and verified LoRA state.
   used version (a later request reloads it from its files) rather than refuse one.
 * KV events: vLLM's ZMQ publisher is configured unless the user set `--kv-events-config`,
   and one bridge thread per rank re-publishes into our event plane (`kv_bridge`).
+* Disaggregated serving (`--disaggregation-mode prefill|decode`, with vLLM's
+  `--kv-transfer-config`, e.g. its NixlConnector): a prefill request runs one token with
+  `kv_transfer_params` asking vLLM to keep its blocks for a remote decode, and its output
+  hands vLLM's answer (where the blocks are) to the frontend as `disaggregated_params`; a
+  decode request passes the `kv_transfer_params` of its `prefill_result` to vLLM, which
+  pulls the blocks before it generates. A cancelled request on either side is aborted in
+  vLLM, which frees its blocks (a prefill's held blocks too).
 * Metrics: our stat logger per rank (`stats.RankStats`) feeds the load snapshots and the
   forward-pass metrics; vLLM's own Prometheus metrics (`vllm:*`) join our `/metrics`.
 
@@ -47,6 +54,14 @@ from dynamo.common.backend import (
     PushSource,
     WorkerConfig,
 )
+from dynamo.common.backend.disagg import (
+    prefill_only,
+    received_kv_transfer_params,
+    require_prefill_result,
+    with_prefill_usage,
+)
+from dynamo.common.backend.health_check import is_probe
+from dynamo.common.constants import DisaggregationMode
 from dynamo.common.lora import LoRAManager
 from dynamo.common.token_budget import TOKEN_BUDGET_RUNTIME_KEY
 from dynamo.common.utils.env import env_bool
@@ -64,6 +79,17 @@ logger = logging.getLogger(__name__)
 KV_EVENTS_TOPIC = "kv-events"
 # vLLM's finish reasons -> ours (the reference engine's: stop, length, cancelled).
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+# Where vLLM reads a request's KV-connector parameters (SamplingParams.extra_args).
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+# What a prefill request asks of vLLM's NixlConnector: keep the blocks for a remote decode.
+_PREFILL_KV_TRANSFER_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclass(frozen=True)
@@ -76,9 +102,14 @@ class VllmEngineSettings:
     data_parallel_size: int = 1
     data_parallel_start_rank: int = 0
     enable_lora: bool = False
+    disaggregation_mode: str = DisaggregationMode.AGGREGATED.value
 
     def __post_init__(self) -> None:
         worker_args.check_minimums(self)
+
+    @property
+    def mode(self) -> DisaggregationMode:
+        return DisaggregationMode(self.disaggregation_mode)
 
 
 @dataclass(eq=False)
@@ -104,6 +135,9 @@ class _Request:
     request_id: str
     prompt_tokens: int
     adapter: _Adapter | None
+    # Decode: what the prefill worker handed over; prefill: hand vLLM's answer over.
+    prefill_result: dict[str, Any] | None = None
+    hands_over: bool = False
     output_tokens: int = 0
     cached_tokens: int = 0
     finished: bool = False
@@ -210,6 +244,14 @@ class VllmEngine(LoRAHostEngine):
         ns = parser.parse_args(argv)
         ns.enable_lora = bool(ns.enable_lora) or env_bool("DYN_LORA_ENABLED")
         settings, config = worker_args.engine_settings(parser, ns, VllmEngineSettings)
+        if settings.mode is not DisaggregationMode.AGGREGATED and ns.kv_transfer_config is None:
+            role = "kv_producer" if settings.mode is DisaggregationMode.PREFILL else "kv_consumer"
+            parser.error(
+                f"--disaggregation-mode {settings.disaggregation_mode} needs --kv-transfer-config,"
+                " the vLLM KV connector that moves the cache between the prefill and decode "
+                f"workers, e.g. --kv-transfer-config "
+                f'\'{{"kv_connector":"NixlConnector","kv_role":"{role}"}}\''
+            )
         return cls(engine_args_from(ns, settings), settings), config
 
     async def start(self, worker_id: int) -> EngineConfig:
@@ -342,14 +384,26 @@ class VllmEngine(LoRAHostEngine):
         prompt = request.get("token_ids")
         # The engine's own last check, the same the request planes make first.
         self.request_limits().check_request(request)
+        state = _Request(
+            request_id=f"dyn-{uuid.uuid4().hex}", prompt_tokens=len(prompt), adapter=None
+        )
+        kv_transfer_params = None
+        mode = self.settings.mode
+        if mode is DisaggregationMode.PREFILL and not is_probe(request):
+            request = prefill_only(request)
+            kv_transfer_params = _PREFILL_KV_TRANSFER_PARAMS
+            state.hands_over = True
+        elif mode is DisaggregationMode.DECODE and not is_probe(request):
+            state.prefill_result = require_prefill_result(request, mode)
+            kv_transfer_params = received_kv_transfer_params(state.prefill_result)
         kwargs = sampling_kwargs(request, self._context_length - len(prompt))
+        if kv_transfer_params is not None:
+            kwargs["extra_args"] = {KV_TRANSFER_PARAMS: dict(kv_transfer_params)}
         params = _sampling_params(SamplingParams, RequestOutputKind.DELTA, kwargs)
         served = self.settings.served_model_name or self.settings.model
         adapter = self._adapters.for_model(request.get("model"), self._served_names, served)
+        state.adapter = adapter
         rank = self._local_rank(request)
-        state = _Request(
-            request_id=f"dyn-{uuid.uuid4().hex}", prompt_tokens=len(prompt), adapter=adapter
-        )
         self._adapters.acquire(adapter)
         key = id(context) if context is not None else id(state)
         self._requests[key] = state
@@ -393,7 +447,12 @@ class VllmEngine(LoRAHostEngine):
         state.finished = True
         chunk["finish_reason"] = _FINISH_REASONS.get(reason, reason)
         chunk["completion_usage"] = state.usage()
-        return chunk
+        handed = getattr(output, KV_TRANSFER_PARAMS, None) if state.hands_over else None
+        if handed:
+            # Where vLLM keeps the prompt's blocks for the decode worker to pull (it keeps
+            # none for a prompt it could not prefill; the decode worker then computes it).
+            chunk["disaggregated_params"] = {KV_TRANSFER_PARAMS: handed}
+        return with_prefill_usage(chunk, state.prefill_result)
 
     def _terminal(self, state: _Request, reason: str) -> GenerateChunk:
         state.finished = True

@@ -57,8 +57,10 @@ class WorkerAdvertisement:
     `runtime_config` holds the model card's runtime_config fields (context_length,
     total_kv_blocks, max_num_seqs, max_num_batched_tokens, data_parallel_size,
     data_parallel_start_rank, runtime_data, taints, max_gpu_lora_count). `model_type`,
-    `model_input`, `worker_type` and `kv_cache_block_size` are the card fields of the same
-    names (upstream's spellings, e.g. "Chat | Completions"). `card_file_base_url`
+    `model_input`, `worker_type`, `needs` and `kv_cache_block_size` are the card fields of
+    the same names (upstream's spellings, e.g. "Chat | Completions"; `needs` lists the sets
+    of worker types that must also serve the model, e.g. `(("decode",),)` for a prefill
+    worker). `card_file_base_url`
     (`http://host:port` of the system server) makes the cards name their files by URL
     instead of local path (see `dynamo.runtime.card_files`).
     """
@@ -74,6 +76,7 @@ class WorkerAdvertisement:
     model_type: str = "Chat | Completions"
     model_input: str = "Tokens"
     worker_type: str = "aggregated"
+    needs: tuple[tuple[str, ...], ...] = ()
     kv_cache_block_size: int = 16
     request_plane_codec: str | None = None
     event_channels: tuple[EventChannelAd, ...] = ()

@@ -207,7 +207,7 @@ def model_card(
     card["model_type"] = adv.model_type
     card["model_input"] = adv.model_input
     card["worker_type"] = adv.worker_type
-    card["needs"] = []
+    card["needs"] = [list(group) for group in adv.needs]
     if adapter is not None:
         lora: dict[str, Any] = {"name": adapter.lora_name}
         slots = adv.runtime_config.get("max_gpu_lora_count")

@@ -39,6 +39,12 @@ _WORKER_TYPES = {
     DisaggregationMode.DECODE: "decode",
     DisaggregationMode.ENCODE: "encode",
 }
+# The worker types each role cannot serve without (the card's `needs`): upstream's frontend
+# serves a disaggregated model only once both halves of the pair are registered.
+_NEEDS: dict[DisaggregationMode, tuple[tuple[str, ...], ...]] = {
+    DisaggregationMode.PREFILL: (("decode",),),
+    DisaggregationMode.DECODE: (("prefill",),),
+}
 
 
 def served_name(config: WorkerConfig, engine_config: EngineConfig) -> str:
@@ -163,5 +169,6 @@ def build_advertisement(
         model_type=model_type(config),
         model_input=config.model_input.name,
         worker_type=_WORKER_TYPES[config.disaggregation_mode],
+        needs=_NEEDS.get(config.disaggregation_mode, ()),
         kv_cache_block_size=(llm.kv_cache_block_size if llm and llm.kv_cache_block_size else 16),
     )
