@@ -352,8 +352,10 @@ def cli_reference() -> str:
     ]
     out += _parser_section("Engine options every engine takes", shared, {}, with_env=False)
     out += [
-        "`dynamo-worker` passes the engine `--model`, `--served-model-name`, `--max-loras` "
-        "and the data-parallel flags when they are given; any option `dynamo-worker` does not "
+        "`dynamo-worker` passes the engine `--model`, `--served-model-name`, `--max-loras`, "
+        "the data-parallel flags and `--disaggregation-mode` when they are given (the vLLM "
+        "engine serves a prefill or decode role only with vLLM's `--kv-transfer-config`, the "
+        "transformers engine refuses both); any option `dynamo-worker` does not "
         "know, and everything after `--`, goes to the engine. `dynamo-worker --engine X -- "
         "--help` prints an engine's own options. The vLLM engine (`--engine vllm`) takes every "
         "vLLM engine argument (`--gpu-memory-utilization`, `--tensor-parallel-size`, "

@@ -240,6 +240,36 @@ _VALID = [
             spec={"model": {"source": "hf://Qwen/Qwen3-0.6B@main", "cache": {"claimName": "w"}}}
         ),
     ),
+    (
+        # Disaggregated: each prefill field unset takes the decode role's (dataParallel here).
+        "dw-disaggregated",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm", "extraArgs": ["--gpu-memory-utilization", "0.9"]},
+                "resources": {"gpusPerPod": 2},
+                "dataParallel": {"size": 2},
+                "prefill": {
+                    "replicas": 2,
+                    "resources": {"gpusPerPod": 4},
+                    "engine": {"extraArgs": ["--enforce-eager"]},
+                    "pod": {"nodeSelector": {"gpu": "h100"}},
+                },
+            }
+        ),
+    ),
+    ("dw-disaggregated-defaults", dynamo_worker(spec={"engine": {"name": "vllm"}, "prefill": {}})),
+    (
+        # Without spec.prefill the KV transfer is the user's (e.g. an offloading connector).
+        "dw-aggregated-kv-transfer",
+        dynamo_worker(
+            spec={
+                "engine": {
+                    "name": "vllm",
+                    "extraArgs": ["--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1"}'],
+                }
+            }
+        ),
+    ),
     ("lora-minimal", lora_adapter()),
     ("lora-full", FULL_LORA_ADAPTER),
     ("lora-hf-bare-repo", lora_adapter(spec={"source": {"uri": "hf://gpt2-lora@main"}})),
@@ -305,6 +335,107 @@ _INVALID = [
         "is already local: remove spec.model.cache",
     ),
     Invalid("dw-replicas-too-many", dynamo_worker(spec={"replicas": 5000}), "spec.replicas"),
+    Invalid(
+        "dw-prefill-reference-engine",
+        dynamo_worker(spec={"prefill": {}}),
+        "spec.prefill",
+        "spec.prefill needs the vLLM engine (its NixlConnector moves the KV cache from the "
+        "prefill pods to the decode pods): set spec.engine.name: vllm",
+    ),
+    Invalid(
+        "dw-disaggregation-mode-in-engine",
+        dynamo_worker(spec={"engine": {"extraArgs": ["--disaggregation-mode=prefill"]}}),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --disaggregation-mode: spec.prefill sets it; change "
+        "that field instead",
+    ),
+    Invalid(
+        "dw-prefill-kv-transfer-in-engine",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm", "extraArgs": ['--kv_transfer_config={"kv_role":"x"}']},
+                "prefill": {},
+            }
+        ),
+        "spec.engine.extraArgs",
+        "spec.engine.extraArgs must not set --kv-transfer-config: spec.prefill (the operator "
+        "connects the prefill and decode pods) sets it; change that field instead",
+    ),
+    Invalid(
+        "dw-prefill-kv-transfer-in-prefill",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm"},
+                "prefill": {"engine": {"extraArgs": ["--kv-transfer-config", "{}"]}},
+            }
+        ),
+        "spec.prefill.engine.extraArgs",
+        "spec.prefill.engine.extraArgs must not set --kv-transfer-config: spec.prefill (the "
+        "operator connects the prefill and decode pods) sets it; change that field instead",
+    ),
+    Invalid(
+        "dw-prefill-owned-flag",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm"},
+                "prefill": {"engine": {"extraArgs": ["--served_model_name=other"]}},
+            }
+        ),
+        "spec.prefill.engine.extraArgs",
+        "spec.prefill.engine.extraArgs must not set --served-model-name: spec.model "
+        "(servedModelName, else name) sets it; change that field instead",
+    ),
+    Invalid(
+        "dw-prefill-tensor-parallel",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm"},
+                "resources": {"gpusPerPod": 0},
+                "prefill": {"resources": {"gpusPerPod": 2}, "engine": {"extraArgs": ["-tp=2"]}},
+            }
+        ),
+        "spec.prefill.engine.extraArgs",
+        "spec.prefill.engine.extraArgs must not set --tensor-parallel-size: "
+        "spec.prefill.resources.gpusPerPod (over its dataParallel.size) sets it",
+    ),
+    Invalid(
+        "dw-prefill-ranks-above-inherited-gpus",
+        dynamo_worker(spec={"engine": {"name": "vllm"}, "prefill": {"dataParallel": {"size": 2}}}),
+        "spec.prefill.dataParallel.size",
+        "spec.prefill.dataParallel.size must not exceed spec.prefill.resources.gpusPerPod",
+    ),
+    Invalid(
+        "dw-prefill-gpus-not-a-multiple-of-inherited-ranks",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm"},
+                "resources": {"gpusPerPod": 4},
+                "dataParallel": {"size": 2},
+                "prefill": {"resources": {"gpusPerPod": 3}},
+            }
+        ),
+        "spec.prefill.resources.gpusPerPod",
+        "spec.prefill.resources.gpusPerPod must be a multiple of spec.prefill.dataParallel.size "
+        "with the vLLM engine",
+    ),
+    Invalid(
+        "dw-prefill-with-autoscaling",
+        dynamo_worker(
+            spec={
+                "engine": {"name": "vllm"},
+                "autoscaling": {"maxReplicas": 2, "targetInFlightPerPod": 4},
+                "prefill": {},
+            }
+        ),
+        "spec.autoscaling",
+        "spec.autoscaling does not yet apply to a disaggregated DynamoWorker (spec.prefill); "
+        "set the replicas of each role",
+    ),
+    Invalid(
+        "dw-prefill-replicas-too-many",
+        dynamo_worker(spec={"engine": {"name": "vllm"}, "prefill": {"replicas": 5000}}),
+        "spec.prefill.replicas",
+    ),
     Invalid(
         "dw-autoscaling-min-above-max",
         dynamo_worker(

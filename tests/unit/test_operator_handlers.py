@@ -59,7 +59,9 @@ def test_settings_use_our_names_and_deliberate_timeouts() -> None:
     selectors = {
         str(getattr(k, "any_name", "")): v for k, v in settings.watching.label_selectors.items()
     }
-    assert selectors.pop("pods") == "dynamo.dev/worker"
+    assert selectors.pop("pods") == (
+        "app.kubernetes.io/component=worker,app.kubernetes.io/managed-by=dynamo-operator"
+    )
     assert set(selectors) == {k.plural for k in CHILD_KINDS}
     assert set(selectors.values()) == {"app.kubernetes.io/managed-by=dynamo-operator"}
 

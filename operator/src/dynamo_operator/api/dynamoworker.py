@@ -67,6 +67,21 @@ _CEL_VLLM = (
     "(has(self.engine) && ((has(self.engine.name) && self.engine.name == 'vllm') || "
     f"(has(self.engine.class) && self.engine.class == '{VLLM_ENGINE_CLASS}')))"
 )
+# The roles of a disaggregated DynamoWorker (spec.prefill): prefill pods compute the KV cache
+# of a prompt and hand it to decode pods, which generate. An aggregated worker has no role.
+WorkerRole = Literal["prefill", "decode"]
+PREFILL: WorkerRole = "prefill"
+DECODE: WorkerRole = "decode"
+# CEL: the prefill role's effective GPUs per pod and data-parallel size (spec.prefill's own,
+# else the decode role's, else the default; only inside a rule that has(self.prefill)).
+_CEL_PREFILL_GPUS = (
+    "(has(self.prefill.resources) ? self.prefill.resources.gpusPerPod : "
+    "has(self.resources) ? self.resources.gpusPerPod : 1)"
+)
+_CEL_PREFILL_DP_SIZE = (
+    "(has(self.prefill.dataParallel) ? self.prefill.dataParallel.size : "
+    "has(self.dataParallel) ? self.dataParallel.size : 1)"
+)
 # A routing taint as the frontend matches it, e.g. `gpu=h100`: printable ASCII, no spaces.
 TAINT_PATTERN = r"^[!-~]+$"
 Taint = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=TAINT_PATTERN)]
@@ -559,45 +574,107 @@ class Frontend(ApiModel):
     pod: PodOverrides | None = Field(default=None, description="Additions to the frontend pods.")
 
 
+class PrefillEngine(ApiModel):
+    """The prefill role's engine: the decode role's (spec.engine), with its own extraArgs."""
+
+    extra_args: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra engine arguments of the prefill pods, in place of "
+        "spec.engine.extraArgs; not those the operator sets from the spec.",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+
+
+class PrefillRole(ApiModel):
+    """The prefill pods of a disaggregated DynamoWorker: they compute the KV cache of each
+    prompt and vLLM's NixlConnector moves it to a decode pod (the top-level spec), which
+    generates. Each field unset takes the decode role's value."""
+
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Number of prefill pods.")
+    resources: Resources | None = Field(
+        default=None, description="Compute for each prefill pod; spec.resources when unset."
+    )
+    data_parallel: DataParallel | None = Field(
+        default=None,
+        description="Data-parallel ranks in each prefill pod; spec.dataParallel when unset.",
+    )
+    engine: PrefillEngine | None = Field(
+        default=None,
+        description="The prefill pods' engine arguments; spec.engine.extraArgs when unset.",
+    )
+    pod: PodOverrides | None = Field(
+        default=None, description="Additions to the prefill pods, in place of spec.pod."
+    )
+
+
 TENSOR_PARALLEL_FLAG = "--tensor-parallel-size"
 MAX_MODEL_LEN_FLAG = "--max-model-len"
+KV_TRANSFER_CONFIG_FLAG = "--kv-transfer-config"
 
 
 @dataclass(frozen=True)
 class OwnedFlag:
-    """An engine flag the operator sets from a spec field: spec.engine.extraArgs must not
-    repeat it (the engine's parser takes the later one, silently overriding the field).
-    `cel_when` and `when` (CEL and Python, on the spec) say when the operator sets it."""
+    """An engine flag the operator sets from a spec field: spec.engine.extraArgs (and
+    spec.prefill.engine.extraArgs) must not repeat it (the engine's parser takes the later
+    one, silently overriding the field). `cel_when` and `when` (CEL and Python, on the spec)
+    say when the operator sets it; `prefill_cel_when` and `prefill_field` replace `cel_when`
+    and `field` for the prefill role where its own fields decide (Python's `when` reads the
+    prefill role's resolved spec, `DynamoWorkerSpec.for_role`)."""
 
     spellings: tuple[str, ...]
     field: str
     cel_when: str
     when: Callable[[Any], bool]
+    prefill_cel_when: str | None = None
+    prefill_field: str | None = None
 
-    def cel_set_in_extra_args(self) -> str:
-        """CEL: an extra argument spells this flag (vLLM also reads `_` for `-`)."""
+    def cel_set_in(self, engine: str) -> str:
+        """CEL: an extra argument of `engine` (e.g. `self.engine`) spells this flag (vLLM
+        also reads `_` for `-`)."""
         tests = " || ".join(
             f"a.replace('_', '-') == '{s}' || a.replace('_', '-').startsWith('{s}=')"
             for s in self.spellings
         )
-        return (
-            "has(self.engine) && has(self.engine.extraArgs) && "
-            f"self.engine.extraArgs.exists(a, {tests})"
-        )
+        return f"has({engine}) && has({engine}.extraArgs) && {engine}.extraArgs.exists(a, {tests})"
 
     def set_in(self, extra_args: list[str]) -> bool:
         """Python: the same test."""
         flags = (a.replace("_", "-") for a in extra_args)
         return any(f == s or f.startswith(s + "=") for f in flags for s in self.spellings)
 
+    def _cel_rule(self, engine: str, cel_when: str) -> str:
+        never = f"!({self.cel_set_in(engine)})"
+        return never if cel_when == "true" else f"!({cel_when}) || {never}"
+
+    def _message(self, where: str, field: str) -> str:
+        return (
+            f"{where} must not set {self.spellings[0]}: {field} sets it; change that field instead"
+        )
+
     def rule(self) -> Rule:
-        never = f"!({self.cel_set_in_extra_args()})"
+        """The rule on spec.engine.extraArgs."""
         return Rule(
-            rule=never if self.cel_when == "true" else f"!({self.cel_when}) || {never}",
-            message=f"spec.engine.extraArgs must not set {self.spellings[0]}: {self.field} "
-            "sets it; change that field instead",
+            rule=self._cel_rule("self.engine", self.cel_when),
+            message=self._message("spec.engine.extraArgs", self.field),
             check=lambda s: not (self.when(s) and self.set_in(s.engine.extra_args)),
             field_path=".engine.extraArgs",
+        )
+
+    def prefill_rule(self) -> Rule:
+        """The rule on spec.prefill.engine.extraArgs."""
+        cel_when = self.prefill_cel_when or self.cel_when
+        return Rule(
+            rule=f"!has(self.prefill) || {self._cel_rule('self.prefill.engine', cel_when)}",
+            message=self._message(
+                "spec.prefill.engine.extraArgs", self.prefill_field or self.field
+            ),
+            check=lambda s: (
+                s.prefill is None
+                or s.prefill.engine is None
+                or not (self.when(s.for_role(PREFILL)) and self.set_in(s.prefill.engine.extra_args))
+            ),
+            field_path=".prefill.engine.extraArgs",
         )
 
 
@@ -625,6 +702,8 @@ OWNED_FLAGS = (
         "spec.resources.gpusPerPod (over dataParallel.size)",
         f"{_CEL_VLLM} && has(self.resources) && self.resources.gpusPerPod > 0",
         lambda s: s.engine.is_vllm and s.resources.gpus_per_pod > 0,
+        prefill_cel_when=f"{_CEL_VLLM} && {_CEL_PREFILL_GPUS} > 0",
+        prefill_field="spec.prefill.resources.gpusPerPod (over its dataParallel.size)",
     ),
     OwnedFlag(
         (MAX_MODEL_LEN_FLAG,),
@@ -634,7 +713,30 @@ OWNED_FLAGS = (
             s.engine.is_vllm and s.token_budget is not None and s.token_budget.combined_limit > 0
         ),
     ),
+    # The worker hands it to the engine too, whose later copy would make an aggregated
+    # worker's pods, or one role's, register as another role.
+    OwnedFlag(("--disaggregation-mode",), "spec.prefill", "true", lambda s: True),
 )
+# Set on both roles of a disaggregated worker (reconcile/dynamoworker/disaggregation.py); kept
+# apart from OWNED_FLAGS, which an aggregated worker always may be passed.
+KV_TRANSFER_OWNED_FLAG = OwnedFlag(
+    (KV_TRANSFER_CONFIG_FLAG,),
+    "spec.prefill (the operator connects the prefill and decode pods)",
+    "has(self.prefill)",
+    lambda s: s.prefill is not None,
+    prefill_cel_when="true",  # the prefill role's rule already holds only with spec.prefill
+)
+
+
+def _ranks_fit_gpus(spec: DynamoWorkerSpec) -> bool:
+    """Each data-parallel rank has a GPU (or the pods run on the CPU)."""
+    gpus = spec.resources.gpus_per_pod
+    return gpus == 0 or spec.data_parallel.size <= gpus
+
+
+def _ranks_divide_gpus(spec: DynamoWorkerSpec) -> bool:
+    """With vLLM, each data-parallel rank gets the same number of GPUs (tensor parallelism)."""
+    return not spec.engine.is_vllm or spec.resources.gpus_per_pod % spec.data_parallel.size == 0
 
 
 class DynamoWorkerSpec(ApiModel):
@@ -689,6 +791,38 @@ class DynamoWorkerSpec(ApiModel):
         default=None,
         description="Deploy upstream Dynamo's frontend in front of the workers; none when unset.",
     )
+    prefill: PrefillRole | None = Field(
+        default=None,
+        description="Serve disaggregated: prefill pods beside the worker pods, which then "
+        "decode (vLLM only); aggregated serving (every pod does both) when unset.",
+    )
+
+    def for_role(self, role: WorkerRole | None) -> DynamoWorkerSpec:
+        """The spec as the pods of `role` run it: for the prefill role, spec.prefill's fields
+        in place of the decode role's (each unset one inherits it); this spec otherwise."""
+        if role != PREFILL:
+            return self
+        prefill = self.prefill
+        if prefill is None:
+            raise ValueError("spec.prefill is unset: the worker has no prefill role")
+        engine = self.engine
+        if prefill.engine is not None:
+            engine = engine.model_copy(update={"extra_args": prefill.engine.extra_args})
+        return self.model_copy(
+            update={
+                "replicas": prefill.replicas,
+                "resources": (
+                    prefill.resources if prefill.resources is not None else self.resources
+                ),
+                "data_parallel": (
+                    prefill.data_parallel
+                    if prefill.data_parallel is not None
+                    else self.data_parallel
+                ),
+                "engine": engine,
+                "pod": prefill.pod if prefill.pod is not None else self.pod,
+            }
+        )
 
     cel_rules = (
         Rule(
@@ -704,9 +838,7 @@ class DynamoWorkerSpec(ApiModel):
             "self.resources.gpusPerPod == 0 || self.dataParallel.size <= self.resources.gpusPerPod",
             message="spec.dataParallel.size must not exceed spec.resources.gpusPerPod "
             "(each rank needs at least one GPU)",
-            check=lambda s: (
-                s.resources.gpus_per_pod == 0 or s.data_parallel.size <= s.resources.gpus_per_pod
-            ),
+            check=_ranks_fit_gpus,
             field_path=".dataParallel.size",
         ),
         Rule(
@@ -715,12 +847,43 @@ class DynamoWorkerSpec(ApiModel):
             message="spec.resources.gpusPerPod must be a multiple of spec.dataParallel.size "
             "with the vLLM engine (each rank runs on gpusPerPod / size GPUs, as tensor "
             "parallelism)",
-            check=lambda s: (
-                not s.engine.is_vllm or s.resources.gpus_per_pod % s.data_parallel.size == 0
-            ),
+            check=_ranks_divide_gpus,
             field_path=".resources.gpusPerPod",
         ),
-        *(flag.rule() for flag in OWNED_FLAGS),
+        Rule(
+            rule=f"!has(self.prefill) || {_CEL_VLLM}",
+            message="spec.prefill needs the vLLM engine (its NixlConnector moves the KV cache "
+            "from the prefill pods to the decode pods): set spec.engine.name: vllm",
+            check=lambda s: s.prefill is None or s.engine.is_vllm,
+            field_path=".prefill",
+        ),
+        Rule(
+            rule="!has(self.prefill) || !has(self.autoscaling)",
+            message="spec.autoscaling does not yet apply to a disaggregated DynamoWorker "
+            "(spec.prefill); set the replicas of each role",
+            check=lambda s: s.prefill is None or s.autoscaling is None,
+            field_path=".autoscaling",
+        ),
+        Rule(
+            rule=f"!has(self.prefill) || {_CEL_PREFILL_GPUS} == 0 || "
+            f"{_CEL_PREFILL_DP_SIZE} <= {_CEL_PREFILL_GPUS}",
+            message="spec.prefill.dataParallel.size must not exceed "
+            "spec.prefill.resources.gpusPerPod (each rank needs at least one GPU; either "
+            "unset is the decode role's: spec.dataParallel, spec.resources)",
+            check=lambda s: s.prefill is None or _ranks_fit_gpus(s.for_role(PREFILL)),
+            field_path=".prefill.dataParallel.size",
+        ),
+        Rule(
+            rule=f"!has(self.prefill) || !{_CEL_VLLM} || {_CEL_PREFILL_GPUS} == 0 || "
+            f"{_CEL_PREFILL_GPUS} % {_CEL_PREFILL_DP_SIZE} == 0",
+            message="spec.prefill.resources.gpusPerPod must be a multiple of "
+            "spec.prefill.dataParallel.size with the vLLM engine (either unset is the decode "
+            "role's: spec.resources, spec.dataParallel)",
+            check=lambda s: s.prefill is None or _ranks_divide_gpus(s.for_role(PREFILL)),
+            field_path=".prefill.resources.gpusPerPod",
+        ),
+        *(flag.rule() for flag in (*OWNED_FLAGS, KV_TRANSFER_OWNED_FLAG)),
+        *(flag.prefill_rule() for flag in (*OWNED_FLAGS, KV_TRANSFER_OWNED_FLAG)),
     )
 
     @field_validator("model_taints")
@@ -746,6 +909,10 @@ class WorkerPodStatus(StatusModel):
     """What one worker pod reports, read from its DynamoWorkerMetadata."""
 
     name: str = Field(min_length=1, max_length=DNS_SUBDOMAIN_MAX, description="Pod name.")
+    role: WorkerRole | None = Field(
+        default=None,
+        description="prefill or decode, with spec.prefill; absent for an aggregated worker.",
+    )
     ready: bool = Field(default=False, description="The pod is Ready (its /health answers 200).")
     token_budget: PublishedTokenBudget | None = Field(
         default=None, description="Token budget the pod published, if any."
@@ -782,6 +949,19 @@ class FrontendStatus(StatusModel):
     )
 
 
+class PrefillStatus(StatusModel):
+    """The prefill pods of a disaggregated worker (spec.prefill), as their Deployment counts
+    them; the top-level counts are the decode pods'."""
+
+    replicas: int = Field(default=0, ge=0, le=MAX_STATUS_PODS, description="Prefill pods.")
+    ready_replicas: int = Field(
+        default=0, ge=0, le=MAX_STATUS_PODS, description="Ready prefill pods."
+    )
+    updated_replicas: int = Field(
+        default=0, ge=0, le=MAX_STATUS_PODS, description="Prefill pods running the current spec."
+    )
+
+
 class ModelCacheStatus(StatusModel):
     """The model cache's fill of the current source (spec.model.cache)."""
 
@@ -810,18 +990,28 @@ class DynamoWorkerStatus(StatusModel):
         default=None, ge=0, le=JSON_SAFE_INT_MAX, description="metadata.generation last acted upon."
     )
     replicas: int = Field(
-        default=0, ge=0, le=MAX_STATUS_PODS, description="Worker pods that exist."
+        default=0,
+        ge=0,
+        le=MAX_STATUS_PODS,
+        description="Worker pods that exist (with spec.prefill: decode pods).",
     )
     ready_replicas: int = Field(
-        default=0, ge=0, le=MAX_STATUS_PODS, description="Ready worker pods."
+        default=0,
+        ge=0,
+        le=MAX_STATUS_PODS,
+        description="Ready worker pods (with spec.prefill: decode pods).",
     )
     updated_replicas: int = Field(
-        default=0, ge=0, le=MAX_STATUS_PODS, description="Worker pods running the current spec."
+        default=0,
+        ge=0,
+        le=MAX_STATUS_PODS,
+        description="Worker pods running the current spec (with spec.prefill: decode pods).",
     )
     selector: str | None = Field(
         default=None,
         max_length=4096,
-        description="Label selector of the worker pods (for the scale subresource).",
+        description="Label selector of the worker pods (for the scale subresource; with "
+        "spec.prefill: of the decode pods).",
     )
     conditions: list[Condition] = conditions_field()
     pods: list[WorkerPodStatus] = Field(
@@ -832,6 +1022,9 @@ class DynamoWorkerStatus(StatusModel):
     )
     frontend: FrontendStatus | None = Field(
         default=None, description="The frontend, when spec.frontend is set."
+    )
+    prefill: PrefillStatus | None = Field(
+        default=None, description="The prefill pods, when spec.prefill is set."
     )
     model_cache: ModelCacheStatus | None = Field(
         default=None, description="The model cache, when spec.model.cache is set."

@@ -22,7 +22,7 @@ from dynamo_operator.api.common import (
     conditions_field,
     defaulted,
 )
-from dynamo_operator.api.dynamoworker import MAX_REPLICAS, MAX_STATUS_PODS
+from dynamo_operator.api.dynamoworker import MAX_REPLICAS, MAX_STATUS_PODS, WorkerRole
 from dynamo_operator.api.resource import (
     AGE_COLUMN,
     PrinterColumn,
@@ -185,6 +185,11 @@ class AdapterPodStatus(StatusModel):
     pod: str = Field(min_length=1, max_length=253, description="Pod name.")
     worker: str | None = Field(
         default=None, max_length=253, description="DynamoWorker the pod belongs to."
+    )
+    role: WorkerRole | None = Field(
+        default=None,
+        description="The pod's role in a disaggregated DynamoWorker (prefill or decode); "
+        "absent for an aggregated one.",
     )
     state: AdapterState = Field(description="Pending, Loading, Loaded, Failed or Unloading.")
     lora_id: int | None = Field(

@@ -32,8 +32,8 @@ from dynamo_operator.handlers.indices import (
     DW,
     DWM,
     MANAGED,
-    WORKER_PODS,
     Indices,
+    is_worker_pod,
     namespace_of,
     resource_of,
 )
@@ -42,7 +42,7 @@ from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError
 from dynamo_operator.reconcile.children import key_of
 from dynamo_operator.reconcile.dynamoworker.activator import activator_ip
-from dynamo_operator.reconcile.dynamoworker.labels import OWNER_KIND, WORKER_LABEL, activator_name
+from dynamo_operator.reconcile.dynamoworker.labels import OWNER_KIND, activator_name, worker_of
 from dynamo_operator.reconcile.errors import TransientError
 from dynamo_operator.reconcile.events import Regarding
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo, required_adapters
@@ -201,7 +201,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     for kind in CHILD_KINDS:
         _register_child_changed(registry, kind)
 
-    @kopf.on.event(*resource_of(kinds.POD), id="pod_changed", labels=WORKER_PODS, registry=registry)
+    @kopf.on.event(*resource_of(kinds.POD), id="pod_changed", when=is_worker_pod, registry=registry)
     async def pod_changed(
         event: kopf.RawEvent,
         namespace: str | None,
@@ -209,8 +209,9 @@ def register(registry: kopf.OperatorRegistry) -> None:
         memo: OperatorContext,
         **_: Any,
     ) -> None:
-        if event.get("type") is not None:
-            memo.wake(DYNAMO_WORKER, namespace_of(namespace), labels[WORKER_LABEL])
+        worker = worker_of(labels)
+        if event.get("type") is not None and worker is not None:
+            memo.wake(DYNAMO_WORKER, namespace_of(namespace), worker)
 
     @kopf.on.event(*DWM, id="metadata_changed", registry=registry)
     async def metadata_changed(

@@ -7,7 +7,8 @@ as its workers see it, and each child of a DynamoWorker, `reconcile.children`), 
 reconcile reads nothing from the API server.
 
 The watches of pods and of the children's kinds are restricted on the API server by label
-(`restrict_watches`): the operator is sent only worker pods and what it manages itself.
+(`restrict_watches`): the operator is sent only worker pods (both roles' of a disaggregated
+worker) and what it manages itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from pydantic import ValidationError
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.reconcile.children import CachedChild, ChildKey
-from dynamo_operator.reconcile.dynamoworker.labels import MANAGED_BY, WORKER_LABEL
+from dynamo_operator.reconcile.dynamoworker.labels import (
+    COMPONENT_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    WORKER_COMPONENT,
+    worker_of,
+)
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary, metadata_by_pod
 from dynamo_operator.reconcile.loraadapter.model import Pod
 from dynamo_operator.reconcile.loraadapter.reconciler import NamespaceView
@@ -33,9 +40,10 @@ from dynamo_operator.reconcile.loraadapter.targeting import AdapterRef, WorkerIn
 DW = ("dynamo.dev", "v1alpha1", "dynamoworkers")
 LORA = ("dynamo.dev", "v1alpha1", "loraadapters")
 DWM = ("nvidia.com", "v1alpha1", "dynamoworkermetadatas")
-WORKER_PODS = {WORKER_LABEL: kopf.PRESENT}
-MANAGED_LABEL = "app.kubernetes.io/managed-by"
-MANAGED = {MANAGED_LABEL: MANAGED_BY}
+MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
+# The worker pods of both roles (a prefill pod has no worker label, so that label cannot
+# select them all): the worker component of the operator's pods.
+WORKER_POD_SELECTOR = f"{COMPONENT_LABEL}={WORKER_COMPONENT},{MANAGED_BY_LABEL}={MANAGED_BY}"
 # Every kind the DynamoWorker reconciler writes, each watched and indexed by name.
 CHILD_KINDS = (
     kinds.SERVICE_ACCOUNT,
@@ -66,6 +74,11 @@ def _first(values: Iterable[Any] | None) -> Any:
     return next(iter(values), None) if values is not None else None
 
 
+def is_worker_pod(labels: kopf.Labels, **_: Any) -> bool:
+    """kopf's filter of the pod handlers: a DynamoWorker's pod, of either role."""
+    return worker_of(labels) is not None
+
+
 def resource_of(kind: kinds.Kind) -> tuple[str, str, str]:
     """kopf's (group, version, plural) of `kind`."""
     group, _, version = kind.api_version.rpartition("/")
@@ -84,8 +97,8 @@ def child_index_id(kind: kinds.Kind) -> str:
 def restrict_watches(settings: kopf.OperatorSettings) -> None:
     """Ask the API server for worker pods and the operator's own children only (every handler
     of those kinds filters by the same labels)."""
-    settings.watching.label_selectors[resource_of(kinds.POD)] = WORKER_LABEL
-    selector = f"{MANAGED_LABEL}={MANAGED_BY}"
+    settings.watching.label_selectors[resource_of(kinds.POD)] = WORKER_POD_SELECTOR
+    selector = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
     for kind in CHILD_KINDS:
         settings.watching.label_selectors[resource_of(kind)] = selector
 
@@ -135,7 +148,7 @@ class Indices:
         return Children(self.children_by_kind, watched)
 
     def pods(self, namespace: str, worker: str) -> list[PodSummary]:
-        """The pods of the DynamoWorker `worker`."""
+        """The pods of the DynamoWorker `worker` (both roles' of a disaggregated one)."""
         return list(self.worker_pods.get((namespace, worker), []))
 
     def metadata(
@@ -173,17 +186,19 @@ class Indices:
 def register(registry: kopf.OperatorRegistry) -> None:
     """Register the indices on `registry`."""
 
-    @kopf.index("v1", "pods", id="worker_pods", labels=WORKER_PODS, registry=registry)
+    @kopf.index("v1", "pods", id="worker_pods", when=is_worker_pod, registry=registry)
     async def worker_pods(
         body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
     ) -> dict[tuple[str, str], PodSummary]:
-        return {(namespace_of(namespace), labels[WORKER_LABEL]): PodSummary.from_pod(body)}
+        worker = worker_of(labels)  # never None: is_worker_pod filters
+        return {(namespace_of(namespace), worker): PodSummary.from_pod(body)} if worker else {}
 
-    @kopf.index("v1", "pods", id="pod_workers", labels=WORKER_PODS, registry=registry)
+    @kopf.index("v1", "pods", id="pod_workers", when=is_worker_pod, registry=registry)
     async def pod_workers(
         name: str, namespace: str | None, labels: kopf.Labels, **_: Any
     ) -> dict[tuple[str, str], str]:
-        return {(namespace_of(namespace), name): labels[WORKER_LABEL]}
+        worker = worker_of(labels)
+        return {(namespace_of(namespace), name): worker} if worker else {}
 
     @kopf.index(*DWM, id="worker_metadata", registry=registry)
     async def worker_metadata(

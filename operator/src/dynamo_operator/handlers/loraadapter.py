@@ -23,9 +23,9 @@ import kopf
 from pydantic import ValidationError
 
 from dynamo_operator.handlers.context import DYNAMO_WORKER, LORA_ADAPTER, OperatorContext
-from dynamo_operator.handlers.indices import DW, LORA, WORKER_PODS, Indices, namespace_of
+from dynamo_operator.handlers.indices import DW, LORA, Indices, is_worker_pod, namespace_of
 from dynamo_operator.handlers.resync import resync_loop
-from dynamo_operator.reconcile.dynamoworker.labels import WORKER_LABEL
+from dynamo_operator.reconcile.dynamoworker.labels import worker_of
 from dynamo_operator.reconcile.errors import TransientError
 from dynamo_operator.reconcile.loraadapter import wake
 
@@ -118,7 +118,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             f" (skipped: {report.skipped})" if report.skipped else "",
         )
 
-    @kopf.on.event("v1", "pods", id="lora_pod_changed", labels=WORKER_PODS, registry=registry)
+    @kopf.on.event("v1", "pods", id="lora_pod_changed", when=is_worker_pod, registry=registry)
     async def lora_pod_changed(
         event: kopf.RawEvent,
         name: str,
@@ -128,12 +128,15 @@ def register(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         namespace = namespace_of(namespace)
+        worker = worker_of(labels)
+        if worker is None:  # is_worker_pod lets none of these through
+            return
         if event.get("type") == "DELETED":
             memo.services.lora.forget_pod(namespace, name)
         indices = Indices.of(kwargs)
         for adapter in wake.on_pod_event(
             event.get("type"),
-            labels[WORKER_LABEL],
+            worker,
             indices.workers(namespace),
             indices.adapters(namespace),
         ):

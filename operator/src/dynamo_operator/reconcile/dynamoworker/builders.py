@@ -9,8 +9,15 @@ pieces in `manifests`.
 from __future__ import annotations
 
 from dynamo_operator.api import metadata as dwm
-from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerSpec
+from dynamo_operator.api.dynamoworker import (
+    DECODE,
+    PREFILL,
+    DynamoWorker,
+    DynamoWorkerSpec,
+    WorkerRole,
+)
 from dynamo_operator.pods import routes
+from dynamo_operator.reconcile.dynamoworker import disaggregation
 from dynamo_operator.reconcile.dynamoworker import interface as wi
 from dynamo_operator.reconcile.dynamoworker import manifests as m
 from dynamo_operator.reconcile.dynamoworker.activator import (
@@ -25,7 +32,6 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     OPERATOR_LABEL,
     activator_name,
     activator_selector_labels,
-    common_labels,
     deployment_name,
     frontend_selector_labels,
     model_cache_claim_name,
@@ -35,6 +41,7 @@ from dynamo_operator.reconcile.dynamoworker.labels import (
     selector_labels,
     service_account_name,
     service_name,
+    worker_pod_labels,
 )
 from dynamo_operator.reconcile.dynamoworker.manifests import Manifest
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
@@ -56,7 +63,7 @@ VOLUME_SHM, VOLUME_CACHE, VOLUME_LORA = "shm", "cache", "lora-cache"
 VOLUME_MODEL_CACHE = "model-cache"
 
 
-def _worker_env(dw: DynamoWorker) -> list[Manifest]:
+def _worker_env(dw: DynamoWorker, role: WorkerRole | None) -> list[Manifest]:
     worker, namespace, _ = m.identity(dw)
     spec = dw.spec
     drain = spec.drain
@@ -97,6 +104,8 @@ def _worker_env(dw: DynamoWorker) -> list[Manifest]:
     env: list[Manifest] = [{"name": str(name), "value": value} for name, value in plain]
     env += m.downward_env()
     env += m.credential_env(spec)
+    if role is not None:
+        env += disaggregation.kv_transfer_env()
     return env
 
 
@@ -192,20 +201,30 @@ def worker_image(dw: DynamoWorker, settings: ReconcileSettings) -> str:
 
 
 def desired_deployment(
-    dw: DynamoWorker, settings: ReconcileSettings, *, adapters_gate: bool = False
+    dw: DynamoWorker,
+    settings: ReconcileSettings,
+    *,
+    adapters_gate: bool = False,
+    role: WorkerRole | None = None,
 ) -> Manifest:
-    """The Deployment of worker pods (container `main` running `dynamo-worker`); with the
-    LoRA-adapters readiness gate when `adapters_gate` (see `adapter_gate`)."""
+    """The Deployment of worker pods (container `main` running `dynamo-worker`), of the pods
+    of `role` for a disaggregated worker; with the LoRA-adapters readiness gate when
+    `adapters_gate` (see `adapter_gate`)."""
     worker, _, _ = m.identity(dw)
-    spec = dw.spec
-    env = _worker_env(dw)
-    env += m.user_env(spec.pod, "spec.pod", {e["name"] for e in env})
+    spec = dw.spec.for_role(role)
+    env = _worker_env(dw, role)
+    # The env clashes are reported at the block the pods took (spec.prefill.pod, else spec.pod).
+    prefill = dw.spec.prefill if role == PREFILL else None
+    pod_field = (
+        "spec.prefill.pod" if prefill is not None and prefill.pod is not None else "spec.pod"
+    )
+    env += m.user_env(spec.pod, pod_field, {e["name"] for e in env})
     volumes, mounts = _volumes(worker, spec)
     container: Manifest = {
         "name": wi.CONTAINER_NAME,
         "image": worker_image(dw, settings),
         "command": list(wi.COMMAND),
-        "args": wi.worker_args(spec),
+        "args": wi.worker_args(spec, role),
         "ports": m.serving_ports(),
         "env": env,
         "resources": _resources(spec),
@@ -235,34 +254,34 @@ def desired_deployment(
     pod_spec.update(m.scheduling(spec.pod))
     template_metadata = m.pod_metadata(
         spec.pod,
-        {**common_labels(worker), **DISCOVERY_LABELS},
+        {**worker_pod_labels(worker, role), **DISCOVERY_LABELS},
         m.scrape_annotations(spec, settings, routes.SYSTEM_PORT),
     )
     deployment = m.deployment(
         dw,
-        deployment_name(worker),
+        deployment_name(worker, role),
         spec.replicas,
-        selector_labels(worker),
+        selector_labels(worker, role),
         {"metadata": template_metadata, "spec": pod_spec},
     )
     deployment["spec"]["progressDeadlineSeconds"] = PROGRESS_DEADLINE_SECONDS
     return deployment
 
 
-def desired_service(dw: DynamoWorker) -> Manifest:
-    """The headless Service on the system and HTTP ports; its EndpointSlices list ready pods
-    and carry upstream's discovery labels."""
+def desired_service(dw: DynamoWorker, role: WorkerRole | None = None) -> Manifest:
+    """The headless Service on the system and HTTP ports (of the pods of `role`); its
+    EndpointSlices list ready pods and carry upstream's discovery labels."""
     worker, _, _ = m.identity(dw)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": m.object_metadata(dw, service_name(worker), DISCOVERY_LABELS),
+        "metadata": m.object_metadata(dw, service_name(worker, role), DISCOVERY_LABELS),
         "spec": {
             "clusterIP": "None",
             # Not-ready pods stay out of the EndpointSlices (publishNotReadyAddresses is left at
             # its default, false: the API server omits a false value, so setting it would
             # never compare equal to the stored object).
-            "selector": selector_labels(worker),
+            "selector": selector_labels(worker, role),
             "ports": [
                 m.service_port(routes.SYSTEM_PORT_NAME, routes.SYSTEM_PORT),
                 m.service_port(wi.HTTP_PORT_NAME, wi.HTTP_PORT),
@@ -271,17 +290,17 @@ def desired_service(dw: DynamoWorker) -> Manifest:
     }
 
 
-def desired_pdb(dw: DynamoWorker) -> Manifest:
-    """At most one worker pod voluntarily disrupted at a time. Unhealthy pods may always be
-    evicted, so a crashing worker never blocks a node drain."""
+def desired_pdb(dw: DynamoWorker, role: WorkerRole | None = None) -> Manifest:
+    """At most one worker pod (of `role`) voluntarily disrupted at a time. Unhealthy pods may
+    always be evicted, so a crashing worker never blocks a node drain."""
     worker, _, _ = m.identity(dw)
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": m.object_metadata(dw, pdb_name(worker)),
+        "metadata": m.object_metadata(dw, pdb_name(worker, role)),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(worker)},
+            "selector": {"matchLabels": selector_labels(worker, role)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
@@ -310,11 +329,11 @@ def desired_role_binding(dw: DynamoWorker) -> Manifest:
     return m.role_binding(dw, service_account_name(m.identity(dw)[0]))
 
 
-def desired_pod_monitor(dw: DynamoWorker) -> Manifest:
-    """A Prometheus Operator PodMonitor scraping each worker pod's system port."""
+def desired_pod_monitor(dw: DynamoWorker, role: WorkerRole | None = None) -> Manifest:
+    """A Prometheus Operator PodMonitor scraping each worker pod's (of `role`) system port."""
     worker, _, _ = m.identity(dw)
     return m.pod_monitor(
-        dw, pod_monitor_name(worker), selector_labels(worker), routes.SYSTEM_PORT_NAME
+        dw, pod_monitor_name(worker, role), selector_labels(worker, role), routes.SYSTEM_PORT_NAME
     )
 
 
@@ -326,15 +345,21 @@ def _namespace_peer(namespace: str) -> Manifest:
 
 
 def desired_network_policy(
-    dw: DynamoWorker, settings: ReconcileSettings, *, activator: bool = False
+    dw: DynamoWorker,
+    settings: ReconcileSettings,
+    *,
+    activator: bool = False,
+    role: WorkerRole | None = None,
 ) -> Manifest:
-    """Ingress to the worker pods (or, with `activator`, to the activator's pod, which stands
-    in for them and so admits the same peers): the system port from the operator's pods and
+    """Ingress to the worker pods (of `role`, for a disaggregated worker; or, with
+    `activator`, to the activator's pod, which stands in for them and so admits the same
+    peers): the system port from the operator's pods and
     spec.networkPolicy.systemPortNamespaces; every port from this worker's frontend (when
     spec.frontend is set), the activator or the workers for each other (when the worker may
     scale to zero) and spec.networkPolicy.clientNamespaces (the TCP request plane and
     the event plane listen on ephemeral ports that discovery advertises, so no port list can
-    name them). Egress is not limited (model and adapter downloads)."""
+    name them); the KV transfer's ports from the other role's pods (with spec.prefill).
+    Egress is not limited (model and adapter downloads)."""
     worker, namespace, _ = m.identity(dw)
     policy = dw.spec.network_policy
     operator_namespace: Manifest = (
@@ -365,8 +390,14 @@ def desired_network_policy(
     ]
     if clients:  # (a rule with no peers would admit everyone)
         ingress.append({"from": clients})
-    pods = activator_selector_labels(worker) if activator else selector_labels(worker)
-    name = activator_name(worker) if activator else network_policy_name(worker)
+    if role is not None:
+        other = DECODE if role == PREFILL else PREFILL
+        # The KV transfer's ports, from the other role's pods only.
+        other_role: Manifest = {"matchLabels": selector_labels(worker, other)}
+        kv_peer = {**_namespace_peer(namespace), "podSelector": other_role}
+        ingress.append({"from": [kv_peer], "ports": disaggregation.kv_transfer_ports(dw.spec)})
+    pods = activator_selector_labels(worker) if activator else selector_labels(worker, role)
+    name = activator_name(worker) if activator else network_policy_name(worker, role)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -390,22 +421,28 @@ def desired_children(
     the pods that use them, the NetworkPolicy before the pods it isolates (unless
     spec.networkPolicy.enabled is false). The PodMonitor only when its CRD exists; the
     activator's children when the worker may scale to zero; the frontend's children last
-    (when spec.frontend is set). `hold_deployment` leaves the worker
-    Deployment out, neither made nor changed (while the model cache fills for a new source)."""
+    (when spec.frontend is set). With spec.prefill, the Service, PDB, NetworkPolicy,
+    Deployment and PodMonitor are made for each role; both roles share the identity.
+    `hold_deployment` leaves the worker Deployments out, neither made nor changed (while the
+    model cache fills for a new source)."""
+    roles = disaggregation.roles(dw.spec)
     children = [
         desired_service_account(dw),
         desired_role(dw),
         desired_role_binding(dw),
-        desired_service(dw),
-        desired_pdb(dw),
+        *(desired_service(dw, role) for role in roles),
+        *(desired_pdb(dw, role) for role in roles),
     ]
     if dw.spec.network_policy.enabled:  # before the pods, so they start isolated
-        children.append(desired_network_policy(dw, settings))
+        children += [desired_network_policy(dw, settings, role=role) for role in roles]
         if wants_activator(dw):
             children.append(desired_network_policy(dw, settings, activator=True))
     if not hold_deployment:
-        children.append(desired_deployment(dw, settings, adapters_gate=adapters_gate))
+        children += [
+            desired_deployment(dw, settings, adapters_gate=adapters_gate, role=role)
+            for role in roles
+        ]
     if m.wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:
-        children.append(desired_pod_monitor(dw))
+        children += [desired_pod_monitor(dw, role) for role in roles]
     children += desired_activator_children(dw, settings)
     return children + desired_frontend_children(dw, settings)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from dynamo_operator.api.dynamoworker import Drain, DynamoWorkerSpec
+from dynamo_operator.api.dynamoworker import Drain, DynamoWorkerSpec, WorkerRole
+from dynamo_operator.reconcile.dynamoworker import disaggregation
 from dynamo_operator.reconcile.dynamoworker.engine_args import engine_args
 
 CONTAINER_NAME = "main"
@@ -150,11 +151,12 @@ def termination_grace_period_seconds(drain: Drain) -> int:
     return drain.grace_period_seconds + shutdown_timeout_seconds(drain) + KILL_MARGIN_SECONDS
 
 
-def worker_args(spec: DynamoWorkerSpec) -> list[str]:
+def worker_args(spec: DynamoWorkerSpec, role: WorkerRole | None = None) -> list[str]:
     """`dynamo-worker` arguments: the model and the name clients use, the engine (by name
-    or class), the data-parallel layout; after `--` (the worker hands them to the engine) the
-    engine flags the spec implies (`engine_args`), then spec.engine.extraArgs. Aliases are
-    not passed: the worker has no option for them yet."""
+    or class), the data-parallel layout, the role of a disaggregated worker's pods; after `--`
+    (the worker hands them to the engine) the engine flags the spec implies (`engine_args`),
+    then spec.engine.extraArgs. `spec` is the role's (`DynamoWorkerSpec.for_role`). Aliases
+    are not passed: the worker has no option for them yet."""
     args = ["--model", spec.model.source, "--served-model-name", spec.model.served_name]
     engine = spec.engine.name or spec.engine.engine_class
     if engine is not None:
@@ -166,7 +168,8 @@ def worker_args(spec: DynamoWorkerSpec) -> list[str]:
             "--data-parallel-start-rank",
             str(spec.data_parallel.start_rank),
         ]
-    passed = [*engine_args(spec), *spec.engine.extra_args]
+    args += disaggregation.worker_args(role)
+    passed = [*engine_args(spec, role), *spec.engine.extra_args]
     if passed:
         args += ["--", *passed]
     return args

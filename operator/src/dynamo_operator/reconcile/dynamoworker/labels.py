@@ -6,11 +6,23 @@ crash finds (and applies over) what an earlier run created instead of making a s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dynamo_operator.api.common import API_VERSION
+from dynamo_operator.api.dynamoworker import PREFILL, WorkerRole
 
 PREFIX = "dynamo.dev/"
 WORKER_LABEL = f"{PREFIX}worker"
+# On the prefill pods of a disaggregated worker (spec.prefill), in place of the worker label:
+# the decode (worker) Deployment's selector, immutable, must never take them, and
+# status.selector (the scale subresource) counts decode pods only.
+PREFILL_LABEL = f"{PREFIX}prefill"
+# On the pods of a disaggregated worker: prefill or decode (never on an aggregated worker's).
+ROLE_LABEL = f"{PREFIX}role"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "dynamo-operator"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+WORKER_COMPONENT = "worker"
 PART_OF = "dynamo"
 # Upstream Dynamo's Kubernetes discovery lists a worker only while its pod is Ready behind an
 # EndpointSlice carrying these labels (the EndpointSlice controller copies them from the
@@ -31,9 +43,9 @@ def common_labels(worker: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "dynamo-worker",
         "app.kubernetes.io/instance": worker,
-        "app.kubernetes.io/component": "worker",
+        COMPONENT_LABEL: WORKER_COMPONENT,
         "app.kubernetes.io/part-of": PART_OF,
-        "app.kubernetes.io/managed-by": MANAGED_BY,
+        MANAGED_BY_LABEL: MANAGED_BY,
         WORKER_LABEL: worker,
     }
 
@@ -76,14 +88,33 @@ def activator_name(worker: str) -> str:
     return f"{worker}-activator"
 
 
+def worker_pod_labels(worker: str, role: WorkerRole | None = None) -> dict[str, str]:
+    """Labels on the pods of `role` (None: an aggregated worker's pods): the common ones, the
+    prefill label in place of the worker label on prefill pods, and the role on both roles'."""
+    labels = common_labels(worker)
+    if role is None:
+        return labels
+    if role == PREFILL:
+        del labels[WORKER_LABEL]
+    return {**labels, **selector_labels(worker, role), ROLE_LABEL: role}
+
+
+def worker_of(labels: Mapping[str, str]) -> str | None:
+    """The DynamoWorker of a pod with these labels, either role; None: not a worker pod."""
+    return labels.get(WORKER_LABEL) or labels.get(PREFILL_LABEL)
+
+
 def frontend_selector_labels(worker: str) -> dict[str, str]:
     """The labels that select the frontend's pods (immutable, like the workers')."""
     return {FRONTEND_LABEL: worker}
 
 
-def selector_labels(worker: str) -> dict[str, str]:
-    """The labels that select the worker's pods. A Deployment's selector is immutable, so this
-    stays one label that never changes for a given DynamoWorker."""
+def selector_labels(worker: str, role: WorkerRole | None = None) -> dict[str, str]:
+    """The labels that select the worker's pods (the decode pods of a disaggregated worker;
+    its prefill pods with `role` prefill). A Deployment's selector is immutable, so this
+    stays one label that never changes for a given DynamoWorker and role."""
+    if role == PREFILL:
+        return {PREFILL_LABEL: worker}
     return {WORKER_LABEL: worker}
 
 
@@ -92,24 +123,29 @@ def selector_string(worker: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(worker).items()))
 
 
-def deployment_name(worker: str) -> str:
-    return worker
+def _role_name(worker: str, role: WorkerRole | None) -> str:
+    """The name of a child of the pods of `role`: the prefill pods' children are suffixed."""
+    return f"{worker}-{PREFILL}" if role == PREFILL else worker
 
 
-def service_name(worker: str) -> str:
-    return worker
+def deployment_name(worker: str, role: WorkerRole | None = None) -> str:
+    return _role_name(worker, role)
 
 
-def pdb_name(worker: str) -> str:
-    return worker
+def service_name(worker: str, role: WorkerRole | None = None) -> str:
+    return _role_name(worker, role)
 
 
-def pod_monitor_name(worker: str) -> str:
-    return worker
+def pdb_name(worker: str, role: WorkerRole | None = None) -> str:
+    return _role_name(worker, role)
 
 
-def network_policy_name(worker: str) -> str:
-    return worker
+def pod_monitor_name(worker: str, role: WorkerRole | None = None) -> str:
+    return _role_name(worker, role)
+
+
+def network_policy_name(worker: str, role: WorkerRole | None = None) -> str:
+    return _role_name(worker, role)
 
 
 def service_account_name(worker: str) -> str:

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from dynamo_operator.api.dynamoworker import DECODE, PREFILL, WorkerRole
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
-from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE
+from dynamo_operator.reconcile.dynamoworker.labels import ADAPTERS_READY_GATE, ROLE_LABEL
+
+# The role label's values (anything else is no role).
+_ROLES: dict[str, WorkerRole] = {PREFILL: PREFILL, DECODE: DECODE}
 
 
 class PodProblem(StrEnum):
@@ -56,6 +60,8 @@ class PodSummary:
     # It carries the LoRA-adapters readiness gate, and that condition's status (None: unset).
     gated: bool = False
     gate_status: str | None = None
+    # prefill or decode, for a disaggregated worker's pod (its role label); None: aggregated.
+    role: WorkerRole | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodSummary:
@@ -81,6 +87,7 @@ class PodSummary:
             containers_ready=by_type.get("ContainersReady") == "True",
             gated=any(g.get("conditionType") == ADAPTERS_READY_GATE for g in gates),
             gate_status=by_type.get(ADAPTERS_READY_GATE),
+            role=_ROLES.get((meta.get("labels") or {}).get(ROLE_LABEL, "")),
         )
 
 

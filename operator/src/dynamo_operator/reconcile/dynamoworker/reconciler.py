@@ -24,7 +24,7 @@ from dynamo_operator.api.autoscaling import AutoscalingStatus
 from dynamo_operator.api.common import Condition
 from dynamo_operator.api.conditions import merge_conditions
 from dynamo_operator.api.conditions import now as utc_now
-from dynamo_operator.api.dynamoworker import DynamoWorker, DynamoWorkerStatus
+from dynamo_operator.api.dynamoworker import PREFILL, DynamoWorker, DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError, Cluster
@@ -33,6 +33,7 @@ from dynamo_operator.reconcile.children import ChildIndex, ChildReader
 from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
 from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter, wanted_condition
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
+from dynamo_operator.reconcile.dynamoworker.disaggregation import roles
 from dynamo_operator.reconcile.dynamoworker.labels import (
     activator_name,
     deployment_name,
@@ -88,6 +89,13 @@ ACTIVATOR_KINDS = (
     kinds.ROLE_BINDING,
     kinds.ROLE,
     kinds.SERVICE_ACCOUNT,
+)
+# The kinds of the prefill pods' children (spec.prefill), in deletion order: the pods first.
+PREFILL_KINDS = (
+    kinds.DEPLOYMENT,
+    kinds.POD_DISRUPTION_BUDGET,
+    kinds.SERVICE,
+    kinds.NETWORK_POLICY,
 )
 # The kinds of the frontend's children, in deletion order (see `desired_frontend_children`).
 FRONTEND_KINDS = (
@@ -270,10 +278,12 @@ class WorkerReconciler:
         await self._remove_unwanted(dw, settings, desired, index)
         worker = dw.metadata.name or ""
         if hold:
-            # Held while the cache fills: not applied, but its state is still the status's.
-            deployments[deployment_name(worker)] = await self.children.live(
-                index, kinds.DEPLOYMENT, dw.metadata.namespace or "", deployment_name(worker)
-            )
+            # Held while the cache fills: not applied, but their state is still the status's.
+            for role in roles(dw.spec):
+                held = deployment_name(worker, role)
+                deployments[held] = await self.children.live(
+                    index, kinds.DEPLOYMENT, dw.metadata.namespace or "", held
+                )
 
         await self._sync_gates(dw, pods, required, transient)
         failures: dict[str, str] = {}
@@ -286,6 +296,7 @@ class WorkerReconciler:
         observed = WorkerObservation(
             now=self.clock(),
             deployment=deployments.get(deployment_name(worker)),
+            prefill_deployment=deployments.get(deployment_name(worker, PREFILL)),
             frontend_deployment=deployments.get(frontend_name(worker)),
             pods=pods,
             metadata=metadata,
@@ -508,12 +519,14 @@ class WorkerReconciler:
         """Delete children this worker owns and no longer wants (not in `desired`): its
         NetworkPolicy when spec.networkPolicy is disabled, its
         PodMonitors when spec.metrics stops asking for them, the frontend's children when
-        spec.frontend goes, the activator's when the worker may no longer scale to zero, the
+        spec.frontend goes, the prefill pods' children when spec.prefill goes, the
+        activator's when the worker may no longer scale to zero, the
         model cache's claim when spec.model.cache stops asking for it,
         and the fill Job of the source status last reported once it is not the current one.
         Only what may exist is read: PodMonitors when their CRD exists, the frontend's
         children when status.frontend says they were made (it stays until these deletes are
-        done), the claim and that Job when status.modelCache says so."""
+        done), the prefill pods' when status.prefill says so (the same way), the claim and
+        that Job when status.modelCache says so."""
         name, namespace, uid = dw.metadata.name, dw.metadata.namespace, dw.metadata.uid
         if not (name and namespace and uid):
             return
@@ -530,6 +543,10 @@ class WorkerReconciler:
             # Pods first: the Deployment goes before the identity its pods use.
             kinds_ = (kinds.POD_MONITOR, *FRONTEND_KINDS) if monitors else FRONTEND_KINDS
             candidates += [(kind, frontend_name(name)) for kind in kinds_]
+        if dw.status is not None and dw.status.prefill is not None:
+            # Each named `<name>-prefill`, as the Deployment is.
+            prefill_kinds = (*PREFILL_KINDS, kinds.POD_MONITOR) if monitors else PREFILL_KINDS
+            candidates += [(kind, deployment_name(name, PREFILL)) for kind in prefill_kinds]
         reported = dw.status.model_cache if dw.status is not None else None
         if reported is not None:
             # The claim the operator made for spec.model.cache, once the spec no longer asks

@@ -2,9 +2,10 @@
 
 Conditions, per the Kubernetes API conventions:
 - `Ready`: every desired pod is ready, and so is every frontend pod when spec.frontend is set
-  (True with `AllReplicasReady` or `ScaledToZero`).
-- `Progressing`: the Deployment is being created, rolled or scaled (False with
-  `RolloutComplete` once every pod runs the current spec and is ready).
+  and every prefill pod, on the current spec, when spec.prefill is set (True with
+  `AllReplicasReady` or `ScaledToZero`).
+- `Progressing`: a worker Deployment (the prefill one too) is being created, rolled or scaled
+  (False with `RolloutComplete` once every pod runs the current spec and is ready).
 - `Degraded`: something needs a person: a child the API server refused, pods that cannot be
   scheduled, pull their image, start, or keep running, a stalled rollout, taints a pod would
   not take, a PodMonitor asked for without its CRD. False with `AsExpected` otherwise.
@@ -26,10 +27,12 @@ from dynamo_operator.api.common import ConditionType
 from dynamo_operator.api.conditions import WantedCondition, apply_conditions, name_list
 from dynamo_operator.api.dynamoworker import (
     MAX_STATUS_PODS,
+    PREFILL,
     DynamoWorker,
     DynamoWorkerStatus,
     FrontendStatus,
     ModelCacheStatus,
+    PrefillStatus,
     PublishedTokenBudget,
     WorkerPodStatus,
 )
@@ -48,8 +51,9 @@ from dynamo_operator.reconcile.dynamoworker.pod_summary import PodProblem, PodSu
 class WorkerObservation:
     """Everything status is computed from.
 
-    `deployment` is the live worker Deployment, `frontend_deployment` the frontend's (None:
-    absent). `pods` are the worker's pods;
+    `deployment` is the live worker Deployment, `prefill_deployment` the prefill pods' (with
+    spec.prefill), `frontend_deployment` the frontend's (None: absent). `pods` are the
+    worker's pods (both roles');
     `metadata` their DynamoWorkerMetadata by pod name. `child_errors` are the API server's
     refusals of children (one line each, naming the child). `taint_failures` maps a pod name
     to why pushing spec.modelTaints to it failed. `pod_monitor_unavailable` is set when a
@@ -61,6 +65,7 @@ class WorkerObservation:
 
     now: datetime
     deployment: Mapping[str, Any] | None = None
+    prefill_deployment: Mapping[str, Any] | None = None
     frontend_deployment: Mapping[str, Any] | None = None
     pods: Sequence[PodSummary] = ()
     metadata: Mapping[str, DynamoWorkerMetadata] = field(default_factory=dict)
@@ -74,11 +79,12 @@ class WorkerObservation:
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
     if record is None:
-        return WorkerPodStatus(name=pod.name, ready=pod.ready)
+        return WorkerPodStatus(name=pod.name, role=pod.role, ready=pod.ready)
     budget = record.token_budget
     config = record.runtime_config
     return WorkerPodStatus(
         name=pod.name,
+        role=pod.role,
         ready=pod.ready,
         token_budget=(
             PublishedTokenBudget(
@@ -132,8 +138,26 @@ def _frontend_waiting(desired: int | None, observed: WorkerObservation) -> str |
     return None
 
 
+def _prefill_waiting(desired: int | None, observed: WorkerObservation) -> str | None:
+    """Why the prefill pods (spec.prefill, `desired` pods) are not all serving the current
+    spec yet: prefill and decode pods on different specs (another model, say) could not hand
+    the KV cache over. None when they are, or when there are none."""
+    if desired is None or desired == 0:
+        return None
+    if observed.prefill_deployment is None:
+        return "the prefill Deployment does not exist yet"
+    _, ready, updated, seen = _deployment_counts(observed.prefill_deployment)
+    if not seen or ready < desired or updated < desired:
+        return f"{ready} of {desired} prefill pods are ready, {updated} run the current spec"
+    return None
+
+
 def _ready(
-    desired: int, ready: int, frontend_desired: int | None, observed: WorkerObservation
+    desired: int,
+    ready: int,
+    frontend_desired: int | None,
+    prefill_desired: int | None,
+    observed: WorkerObservation,
 ) -> WantedCondition:
     t = ConditionType.READY
     if observed.spec_error is not None:
@@ -169,6 +193,9 @@ def _ready(
             )
         return WantedCondition(t, "True", "ScaledToZero", message)
     if ready >= desired:
+        prefill = _prefill_waiting(prefill_desired, observed)
+        if prefill is not None:
+            return WantedCondition(t, "False", "PrefillNotReady", f"{prefill}; see status.prefill")
         frontend = _frontend_waiting(frontend_desired, observed)
         if frontend is not None:
             return WantedCondition(
@@ -195,12 +222,10 @@ def _progressing(
     worker: str,
     generation: int,
     desired: int,
-    counts: tuple[int, int, int, bool],
+    prefill_desired: int | None,
     observed: WorkerObservation,
 ) -> WantedCondition:
     t = ConditionType.PROGRESSING
-    total, ready, updated, seen = counts
-    name = deployment_name(worker)
     if observed.spec_error is not None:
         return WantedCondition(
             t, "False", "InvalidSpec", "nothing is rolled out until the spec is fixed"
@@ -208,9 +233,30 @@ def _progressing(
     cache = observed.model_cache
     if cache is not None and cache.phase is CachePhase.FILLING:
         return WantedCondition(t, "True", "FillingModelCache", cache.message)
-    if observed.deployment is None:
-        return WantedCondition(t, "True", "Creating", "creating the worker Deployment")
-    stalled = _deployment_condition(observed.deployment, "Progressing")
+    rollout = _rollout(deployment_name(worker), "worker", generation, desired, observed.deployment)
+    if prefill_desired is None or rollout.reason != "RolloutComplete":
+        return rollout
+    prefill = _rollout(
+        deployment_name(worker, PREFILL),
+        PREFILL,
+        generation,
+        prefill_desired,
+        observed.prefill_deployment,
+    )
+    return rollout if prefill.reason == "RolloutComplete" else prefill
+
+
+def _rollout(
+    name: str, what: str, generation: int, desired: int, deployment: Mapping[str, Any] | None
+) -> WantedCondition:
+    """Where the rollout of the Deployment `name` (of the `what` pods: worker or prefill)
+    stands, as the Progressing condition."""
+    t = ConditionType.PROGRESSING
+    pods = "pods" if what == "worker" else f"{what} pods"
+    if deployment is None:
+        return WantedCondition(t, "True", "Creating", f"creating the {what} Deployment")
+    total, ready, updated, seen = _deployment_counts(deployment)
+    stalled = _deployment_condition(deployment, "Progressing")
     if stalled.get("reason") == "ProgressDeadlineExceeded":
         return WantedCondition(
             t,
@@ -232,25 +278,25 @@ def _progressing(
             t,
             "True",
             "RollingOut",
-            f"{updated} of {desired} pods run generation "
-            f"{generation} of the spec ({total} pods in all)",
+            f"{updated} of {desired} {pods} run generation "
+            f"{generation} of the spec ({total} {pods} in all)",
         )
     if total > desired:
         return WantedCondition(
             t,
             "True",
             "ScalingDown",
-            f"{total - desired} surplus or outdated pods are draining and shutting down",
+            f"{total - desired} surplus or outdated {pods} are draining and shutting down",
         )
     if ready < desired:
         return WantedCondition(
-            t, "True", "ScalingUp", f"{ready} of {desired} pods are ready; the rest are starting"
+            t, "True", "ScalingUp", f"{ready} of {desired} {pods} are ready; the rest are starting"
         )
     return WantedCondition(
         t,
         "False",
         "RolloutComplete",
-        f"all {desired} pods run generation {generation} of the spec and are ready",
+        f"all {desired} {pods} run generation {generation} of the spec and are ready",
     )
 
 
@@ -284,10 +330,11 @@ _PROBLEM_REASONS: dict[PodProblem, tuple[str, str]] = {
 _PROBLEM_ORDER = list(_PROBLEM_REASONS)
 
 
-# What a failing worker Deployment means, by the reason `_deployment_failure` gives.
+# What a failing worker Deployment (the `what`: "" or "prefill ") means, by the reason
+# `_deployment_failure` gives.
 _DEPLOYMENT_FAILURES = {
-    "ReplicaFailure": "the Deployment cannot create pods: {}",
-    "ProgressDeadlineExceeded": "the rollout stalled: {}; check the pods' events",
+    "ReplicaFailure": "the {what}Deployment cannot create pods: {detail}",
+    "ProgressDeadlineExceeded": "the {what}rollout stalled: {detail}; check the pods' events",
 }
 
 
@@ -324,10 +371,12 @@ def _degraded(observed: WorkerObservation, pods: Sequence[PodSummary]) -> Wanted
     cache = observed.model_cache
     if cache is not None and cache.phase in (CachePhase.FILL_FAILED, CachePhase.VOLUME_UNAVAILABLE):
         return WantedCondition(t, "True", cache.phase.value, cache.message)
-    failing = _deployment_failure(observed.deployment)
-    if failing is not None:
-        reason, detail = failing
-        return WantedCondition(t, "True", reason, _DEPLOYMENT_FAILURES[reason].format(detail))
+    for deployment, what in ((observed.deployment, ""), (observed.prefill_deployment, "prefill ")):
+        failing = _deployment_failure(deployment)
+        if failing is not None:
+            reason, detail = failing
+            message = _DEPLOYMENT_FAILURES[reason].format(what=what, detail=detail)
+            return WantedCondition(t, "True", reason, message)
     troubled = sorted(
         (_PROBLEM_ORDER.index(p.problem), p.name, p.problem, p.problem_detail)
         for p in pods
@@ -370,13 +419,14 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
     generation = dw.metadata.generation or 0
     desired = dw.spec.replicas
     frontend = dw.spec.frontend
-    counts = _deployment_counts(observed.deployment)
-    total, ready, updated, _ = counts
+    prefill = dw.spec.prefill
+    prefill_desired = prefill.replicas if prefill else None
+    total, ready, updated, _ = _deployment_counts(observed.deployment)
     live = [p for p in observed.pods if not p.terminating]
     pods = sorted(live, key=lambda p: p.name)[:MAX_STATUS_PODS]
     wanted = [
-        _ready(desired, ready, frontend.replicas if frontend else None, observed),
-        _progressing(name, generation, desired, counts, observed),
+        _ready(desired, ready, frontend.replicas if frontend else None, prefill_desired, observed),
+        _progressing(name, generation, desired, prefill_desired, observed),
         _degraded(observed, pods),
     ]
     cache = observed.model_cache
@@ -402,6 +452,7 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
         conditions=conditions,
         pods=[_pod_status(p, observed.metadata.get(p.name)) for p in pods],
         frontend=_frontend_status(dw, observed) if frontend is not None else None,
+        prefill=_prefill_status(observed) if prefill is not None else None,
         model_cache=(
             ModelCacheStatus(
                 key=cache.key,
@@ -427,6 +478,15 @@ def _frontend_status(dw: DynamoWorker, observed: WorkerObservation) -> FrontendS
     )
 
 
+def _prefill_status(observed: WorkerObservation) -> PrefillStatus:
+    total, ready, updated, _ = _deployment_counts(observed.prefill_deployment)
+    return PrefillStatus(
+        replicas=min(total, MAX_STATUS_PODS),
+        ready_replicas=min(ready, MAX_STATUS_PODS),
+        updated_replicas=min(updated, MAX_STATUS_PODS),
+    )
+
+
 # A pod that turns ready is in the pod list at once, but in its Deployment's readyReplicas only
 # once the Deployment controller counts it: moments later usually, about 10 s at worst under a
 # burst of 100-500 creations on the 2-core test bed. A status written in between would
@@ -444,7 +504,8 @@ def status_hold_seconds(existing: Mapping[str, Any], new: Mapping[str, Any], hel
     """How long more to hold back writing `new` over `existing` (0: write it now), once the
     write has been held back `held` seconds already.
 
-    Held: a status whose pods are ahead of the Deployment's readyReplicas, for up to
+    Held: a status whose pods are ahead of the Deployments' readyReplicas (the decode and
+    prefill ones together, with spec.prefill), for up to
     `DEPLOYMENT_LAG_HOLD_SECONDS` in all. Written at once whatever the counts: a new
     generation's first status (clients wait on observedGeneration) and any condition
     transition (each is an Event, and readiness is never late).
@@ -454,6 +515,8 @@ def status_hold_seconds(existing: Mapping[str, Any], new: Mapping[str, Any], hel
     if _condition_states(new) != _condition_states(existing):
         return 0.0
     ready_pods = sum(1 for pod in new.get("pods") or [] if pod.get("ready"))
-    if ready_pods <= int(new.get("readyReplicas") or 0):
+    counted = int(new.get("readyReplicas") or 0)
+    counted += int((new.get("prefill") or {}).get("readyReplicas") or 0)
+    if ready_pods <= counted:
         return 0.0
     return max(0.0, DEPLOYMENT_LAG_HOLD_SECONDS - held)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
+from dynamo_operator.api.dynamoworker import WorkerRole
 from dynamo_operator.api.loraadapter import AdapterPodStatus, AdapterState, LoRAAdapter
 from dynamo_operator.pods.adapters import Listing
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
@@ -23,13 +24,15 @@ Op = Literal["load", "unload"]
 
 @dataclass(frozen=True)
 class Pod:
-    """A worker pod: identity, address and readiness."""
+    """A worker pod: identity, address, readiness and role (prefill or decode, for a
+    disaggregated worker's pod: adapters load onto both)."""
 
     name: str
     worker: str
     ip: str | None
     ready: bool
     terminating: bool = False
+    role: WorkerRole | None = None
 
     @property
     def eligible(self) -> bool:
@@ -47,6 +50,7 @@ class Pod:
             ip=summary.ip,
             ready=summary.containers_ready,
             terminating=summary.terminating,
+            role=summary.role,
         )
 
 
@@ -96,10 +100,12 @@ class PodTrack:
     failed_at: datetime | None = None
     verified: bool = False
 
-    def to_status(self) -> AdapterPodStatus:
+    def to_status(self, role: WorkerRole | None = None) -> AdapterPodStatus:
+        """The pod's status entry; `role`: the pod's, when it exists (a track holds none)."""
         return AdapterPodStatus(
             pod=self.pod,
             worker=self.worker,
+            role=role,
             state=self.state,
             lora_id=self.lora_id,
             uri=self.uri,

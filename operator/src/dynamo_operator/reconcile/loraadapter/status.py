@@ -181,7 +181,9 @@ def compute_status(adapter: LoRAAdapter, p: Placement) -> dict[str, Any]:
     if pinned is not None:
         wanted.append(pinned)
     conditions = apply_conditions(existing, wanted, generation=generation, at=p.observation.now)
-    pods = [p.shown[name].to_status() for name in sorted(p.shown)][:MAX_STATUS_PODS]
+    roles = {pod.name: pod.role for pod in p.observation.pods}
+    pods = [p.shown[name].to_status(roles.get(name)) for name in sorted(p.shown)]
+    pods = pods[:MAX_STATUS_PODS]
     status = LoRAAdapterStatus(
         observed_generation=generation,
         adapter_name=p.desired.name or None,

@@ -1,0 +1,151 @@
+"""Disaggregated serving with vLLM on the CPU: our prefill worker and our decode worker
+(`dynamo-worker --engine vllm --disaggregation-mode ...`, each with vLLM's NixlConnector, NIXL
+over UCX moving the KV cache DRAM to DRAM) behind upstream Dynamo's frontend (ai-dynamo 1.6.1)
+with file discovery, on loopback.
+
+A greedy prompt longer than two KV blocks must give exactly what an aggregated worker gives;
+and the transfer must really have happened (a silently skipped prefill would give the same
+text): the prefill worker served the request, and on the decode worker vLLM counted prompt
+tokens from external KV transfer and NIXL counted bytes. A request cancelled while it decodes
+frees its blocks on both workers. Skipped without the venvs of `hack/vllm-venv` and
+`hack/oracle-venv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from support import vllm
+from support.tiny_model import TINY_MODEL_SEED, load_generator
+from support.upstream import UpstreamFleet, free_port, upstream_fleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+__all__ = ["upstream_fleet"]
+
+SERVED = "tiny-llama"
+# KV blocks of 32 tokens (vLLM's CPU default is 128): a short prompt spans several.
+BLOCK = 32
+ENGINE_ARGS = (*vllm.CPU_ENGINE_ARGS, "--block-size", str(BLOCK))
+ROLE_CONFIG = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+async def metric_samples(system_url: str, name: str) -> dict[str, float]:
+    """`name`'s samples on a worker's /metrics, by their labels (as JSON)."""
+    async with aiohttp.ClientSession() as session, session.get(system_url + "/metrics") as r:
+        text = await r.text()
+    return {
+        json.dumps(sample.labels, sort_keys=True): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+async def metric(system_url: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    samples = await metric_samples(system_url, name)
+    return sum(value for key, value in samples.items() if labels.items() <= json.loads(key).items())
+
+
+async def complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            answer = await response.json()
+        assert response.status == 200, answer
+    return answer
+
+
+def role_worker(
+    python: Path, model: Path, root: Path, role: str, discovery: dict[str, str]
+) -> vllm.Served:
+    config = json.dumps({"kv_connector": "NixlConnector", "kv_role": ROLE_CONFIG[role]})
+    return vllm.start_our_worker(
+        python,
+        model,
+        root / f"{role}.log",
+        "--disaggregation-mode",
+        role,
+        served_name=SERVED,
+        engine_args=(*ENGINE_ARGS, "--kv-transfer-config", config),
+        # Both workers share loopback: each its own NIXL side channel.
+        env={**discovery, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )
+
+
+async def test_prefill_on_one_worker_decode_on_the_other(
+    upstream_fleet: UpstreamFleet, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    python = vllm.vllm_python_or_skip()
+    fleet = upstream_fleet
+    root = tmp_path_factory.mktemp("vllm-disagg")
+    load_generator().write_tiny_model(root / "model", TINY_MODEL_SEED, head_dim=64)
+    model = root / "model" / "base"
+
+    # The reference: an aggregated worker, alone (two vLLM engines are enough for 2 cores).
+    reference = vllm.start_our_worker(
+        python, model, root / "agg.log", served_name=SERVED, engine_args=ENGINE_ARGS
+    )
+    fleet.processes.append(reference.process)
+    await vllm.wait_ready(reference)
+    prompt = [(31 * n) % 400 + 10 for n in range(2 * BLOCK + 5)]
+    expected = (await complete(reference.url, prompt, 12))["choices"][0]["text"]
+    reference.process.stop()
+
+    await fleet.start_frontend()
+    discovery = {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(fleet.kv),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    }
+    workers = {role: role_worker(python, model, root, role, discovery) for role in ROLE_CONFIG}
+    fleet.processes.extend(worker.process for worker in workers.values())
+    for worker in workers.values():
+        await vllm.wait_ready(worker)
+    await fleet.wait_models(SERVED, within=120)
+    cards = [json.loads(p.read_text()) for p in (fleet.kv / "v1" / "mdc").iterdir()]
+    assert {card["card_json"]["worker_type"] for card in cards} == {"prefill", "decode"}
+    assert {card["card_json"]["kv_cache_block_size"] for card in cards} == {BLOCK}
+
+    prefill, decode = workers["prefill"].system_url, workers["decode"].system_url
+    served_before = await metric(prefill, "dynamo_component_requests_total")
+    answer = await complete(fleet.frontend_url, prompt, 12)
+    assert answer["choices"][0]["text"] == expected, fleet.logs()
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    # The transfer really happened.
+    assert await metric(prefill, "dynamo_component_requests_total") == served_before + 1
+    received = await metric(
+        decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+    assert received >= 2 * BLOCK, await metric_samples(decode, "vllm:prompt_tokens_by_source_total")
+    assert await metric(decode, "vllm:nixl_bytes_transferred_sum") > 0
+
+    # Cancelled while decoding: both workers free the request's blocks.
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 400, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(fleet.frontend_url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        chunks = 0
+        async for line in response.content:
+            chunks += line.startswith(b"data:")
+            if chunks == 3:
+                break
+    deadline = time.monotonic() + 60
+    for url in (decode, prefill):
+        while await metric(url, "vllm:num_requests_running") or await metric(
+            url, "vllm:kv_cache_usage_perc"
+        ):
+            assert time.monotonic() < deadline, (url, fleet.logs())
+            await asyncio.sleep(0.2)
