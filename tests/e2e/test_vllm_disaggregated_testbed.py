@@ -192,7 +192,9 @@ async def test_both_roles_become_ready_with_their_flags(bed: Bed) -> None:
         assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
 
 
-async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(bed: Bed) -> None:
+async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
+    bed: Bed, testbed: Cluster
+) -> None:
     await bed.eventually("Ready", bed.worker, 600, ready)
     [decode] = await worker_pods(bed, WORKER)
     [prefill] = await bed.prefill_pods()
@@ -200,14 +202,23 @@ async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(bed: Bed) -> 
     # The frontend pairs the roles once it has seen both in discovery.
     await bed.eventually("the model listed", lambda: _models(url), 120, lambda m: SERVED in m)
     served_before = await requests_served(prefill.status.pod_ip)
-    assert await completion(url, SERVED) == bed.expected[SERVED]
+    try:
+        text = await completion(url, SERVED)
+    except AssertionError:
+        frontend = await bed.core.list_namespaced_pod(
+            bed.namespace, label_selector=f"dynamo.dev/frontend={WORKER}"
+        )
+        logs = Path(testbed.kubeconfig).parent / "pods"
+        for pod in [*frontend.items, prefill, decode]:
+            log = logs / pod.metadata.uid / "main.log"
+            print(f"--- {pod.metadata.name}\n{log.read_text(errors='replace')[-20000:]}")
+        raise
+    assert text == bed.expected[SERVED]
     # The transfer really happened (a skipped prefill would give the same text).
     assert await requests_served(prefill.status.pod_ip) == served_before + 1
     decode_ip = decode.status.pod_ip
-    external = await _metric(
-        decode_ip, "vllm:prompt_tokens_by_source_total", "external_kv_transfer"
-    )
-    assert external >= 2 * BLOCK
+    received = "vllm:prompt_tokens_by_source_total"
+    assert await worker_metric(decode_ip, received, source="external_kv_transfer") >= 2 * BLOCK
     assert await worker_metric(decode_ip, "vllm:nixl_bytes_transferred_sum") > 0
 
 
@@ -276,17 +287,3 @@ async def _models(url: str) -> set[str]:
             return {m["id"] for m in (await r.json())["data"]}
     except aiohttp.ClientError:
         return set()
-
-
-async def _metric(ip: str, name: str, source: str) -> float:
-    """`name`'s samples labelled with `source` on the pod at `ip`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with aiohttp.ClientSession() as session, session.get(f"http://{ip}:9090/metrics") as r:
-        text = await r.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and sample.labels.get("source") == source
-    )
