@@ -18,9 +18,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
+from support.testbed_workers import metric_sum
 from support.tiny_model import TinyModel
 from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_sse, upstream_fleet
 from support.worker_process import WorkerProcess
@@ -68,17 +68,7 @@ async def engine_tokens(worker: WorkerProcess, model: str | None = None) -> list
 
 
 async def requests_served(worker: WorkerProcess) -> float:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(worker.system_url() + "/metrics") as response,
-    ):
-        text = await response.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == REQUESTS
-    )
+    return await metric_sum(worker.system_url(), REQUESTS)
 
 
 async def post(url: str, body: Any) -> tuple[int, Any]:
@@ -158,20 +148,9 @@ async def test_decode_drains_its_streams_on_sigterm(
     }
     streams = [asyncio.create_task(post_sse(frontend + "/v1/completions", body)) for _ in range(4)]
     # Once every stream is decoding, stop the decode worker.
-    async with aiohttp.ClientSession() as session:
-        while True:
-            async with session.get(decode.system_url() + "/metrics") as response:
-                text = await response.text()
-            inflight = sum(
-                sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name == "dynamo_component_inflight_requests"
-            )
-            if inflight == 4:
-                break
-            assert not any(stream.done() for stream in streams), fleet.logs()
-            await asyncio.sleep(0.05)
+    while await metric_sum(decode.system_url(), "dynamo_component_inflight_requests") != 4:
+        assert not any(stream.done() for stream in streams), fleet.logs()
+        await asyncio.sleep(0.05)
     decode.terminate()
     results = await asyncio.gather(*streams)
     for status, events in results:

@@ -21,9 +21,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from support import vllm
+from support.testbed_workers import metric_sum
 from support.tiny_model import TINY_MODEL_SEED, load_generator
 from support.upstream import UpstreamFleet, free_port, upstream_fleet
 
@@ -35,24 +35,6 @@ SERVED = "tiny-llama"
 BLOCK = 32
 ENGINE_ARGS = (*vllm.CPU_ENGINE_ARGS, "--block-size", str(BLOCK))
 ROLE_CONFIG = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-
-async def metric_samples(system_url: str, name: str) -> dict[str, float]:
-    """`name`'s samples on a worker's /metrics, by their labels (as JSON)."""
-    async with aiohttp.ClientSession() as session, session.get(system_url + "/metrics") as r:
-        text = await r.text()
-    return {
-        json.dumps(sample.labels, sort_keys=True): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
-async def metric(system_url: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    samples = await metric_samples(system_url, name)
-    return sum(value for key, value in samples.items() if labels.items() <= json.loads(key).items())
 
 
 async def complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -118,17 +100,17 @@ async def test_prefill_on_one_worker_decode_on_the_other(
     assert {card["card_json"]["kv_cache_block_size"] for card in cards} == {BLOCK}
 
     prefill, decode = workers["prefill"].system_url, workers["decode"].system_url
-    served_before = await metric(prefill, "dynamo_component_requests_total")
+    served_before = await metric_sum(prefill, "dynamo_component_requests_total")
     answer = await complete(fleet.frontend_url, prompt, 12)
     assert answer["choices"][0]["text"] == expected, fleet.logs()
     assert answer["usage"]["prompt_tokens"] == len(prompt)
     # The transfer really happened.
-    assert await metric(prefill, "dynamo_component_requests_total") == served_before + 1
-    received = await metric(
+    assert await metric_sum(prefill, "dynamo_component_requests_total") == served_before + 1
+    received = await metric_sum(
         decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-    assert received >= 2 * BLOCK, await metric_samples(decode, "vllm:prompt_tokens_by_source_total")
-    assert await metric(decode, "vllm:nixl_bytes_transferred_sum") > 0
+    assert received >= 2 * BLOCK
+    assert await metric_sum(decode, "vllm:nixl_bytes_transferred_sum") > 0
 
     # Cancelled while decoding: both workers free the request's blocks.
     body = {"model": SERVED, "prompt": prompt, "max_tokens": 400, "stream": True}
@@ -144,7 +126,7 @@ async def test_prefill_on_one_worker_decode_on_the_other(
                 break
     deadline = time.monotonic() + 60
     for url in (decode, prefill):
-        while await metric(url, "vllm:num_requests_running") or await metric(
+        while await metric_sum(url, "vllm:num_requests_running") or await metric_sum(
             url, "vllm:kv_cache_usage_perc"
         ):
             assert time.monotonic() < deadline, (url, fleet.logs())

@@ -39,19 +39,25 @@ async def service_addresses(api: client.ApiClient, namespace: str, service: str)
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-async def worker_metric(ip: str, name: str) -> float:
-    """The sum of metric `name` over its label sets, on the worker pod at `ip`."""
+async def metric_sum(system_url: str, name: str, **labels: str) -> float:
+    """The sum of metric `name` over its samples whose labels include `labels`, on the worker
+    whose system server is at `system_url` (0 when absent)."""
     async with (
         aiohttp.ClientSession() as session,
-        session.get(f"http://{ip}:9090/metrics") as response,
+        session.get(system_url + "/metrics") as response,
     ):
         text = await response.text()
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == name
+        if sample.name == name and labels.items() <= sample.labels.items()
     )
+
+
+async def worker_metric(ip: str, name: str, **labels: str) -> float:
+    """`metric_sum` on the worker pod at `ip`."""
+    return await metric_sum(f"http://{ip}:9090", name, **labels)
 
 
 async def requests_served(ip: str) -> float:

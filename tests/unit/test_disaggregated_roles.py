@@ -210,3 +210,15 @@ async def test_health_probes_run_whole_on_either_role(engines: dict[str, SampleE
         chunks = await collect(engines[role], dict(probe))  # type: ignore[arg-type]
         assert len(tokens(chunks)) == 3
         assert "disaggregated_params" not in chunks[-1]
+
+
+def test_a_failed_kv_load_reaches_the_frontend_as_an_error_naming_it() -> None:
+    # vLLM ends a decode request whose KV transfer failed with finish reason "error"; upstream's
+    # frontend answers an "error: ..." finish with a 500 carrying the text.
+    from dynamo.engines.vllm.engine import _FINISH_REASONS
+    from dynamo.runtime.tcp_plane.messages import finish_reason
+
+    reason = finish_reason(_FINISH_REASONS["error"])
+    assert reason.startswith("error: ")
+    assert "KV cache could not be loaded from the prefill worker" in reason
+    assert finish_reason(_FINISH_REASONS["repetition"]) == "stop"

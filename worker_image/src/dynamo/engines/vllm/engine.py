@@ -77,8 +77,17 @@ from dynamo.runtime.request_limits import ALL_FEATURES, DEFAULT_MAX_LOGPROBS, Re
 logger = logging.getLogger(__name__)
 
 KV_EVENTS_TOPIC = "kv-events"
-# vLLM's finish reasons -> ours (the reference engine's: stop, length, cancelled).
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+# vLLM's finish reasons -> ours (the reference engine's: stop, length, cancelled; an error as
+# upstream's frontend takes one). vLLM ends a request with "error" when it cannot load its KV
+# cache: on a decode worker, a transfer from the prefill worker that failed.
+_FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "cancelled",
+    "repetition": "stop",
+    "error": "error: vLLM failed the request (on a decode worker: the KV cache could not be "
+    "loaded from the prefill worker; see vllm:nixl_num_failed_transfers)",
+}
 # Where vLLM reads a request's KV-connector parameters (SamplingParams.extra_args).
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # What a prefill request asks of vLLM's NixlConnector: keep the blocks for a remote decode.
