@@ -59,7 +59,11 @@ def role_worker(
         served_name=SERVED,
         engine_args=(*ENGINE_ARGS, "--kv-transfer-config", config),
         # Both workers share loopback: each its own NIXL side channel.
-        env={**discovery, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        env={
+            **discovery,
+            **vllm.CPU_SHARING_ENV,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        },
     )
 
 
@@ -103,9 +107,12 @@ async def test_prefill_on_one_worker_decode_on_the_other(
     served_before = await metric_sum(prefill, "dynamo_component_requests_total")
     answer = await complete(fleet.frontend_url, prompt, 12)
     assert answer["choices"][0]["text"] == expected, fleet.logs()
+    # Again: now a prefix-cache hit on both workers, which then move only the last block.
+    again = await complete(fleet.frontend_url, prompt, 12)
+    assert again["choices"][0]["text"] == expected, fleet.logs()
     assert answer["usage"]["prompt_tokens"] == len(prompt)
     # The transfer really happened.
-    assert await metric_sum(prefill, "dynamo_component_requests_total") == served_before + 1
+    assert await metric_sum(prefill, "dynamo_component_requests_total") == served_before + 2
     received = await metric_sum(
         decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )

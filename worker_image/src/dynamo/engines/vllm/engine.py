@@ -405,6 +405,7 @@ class VllmEngine(LoRAHostEngine):
         elif mode is DisaggregationMode.DECODE and not is_probe(request):
             state.prefill_result = require_prefill_result(request, mode)
             kv_transfer_params = received_kv_transfer_params(state.prefill_result)
+            logger.debug("%s pulls its KV cache with %s", state.request_id, kv_transfer_params)
         kwargs = sampling_kwargs(request, self._context_length - len(prompt))
         if kv_transfer_params is not None:
             kwargs["extra_args"] = {KV_TRANSFER_PARAMS: dict(kv_transfer_params)}
@@ -461,6 +462,7 @@ class VllmEngine(LoRAHostEngine):
             # Where vLLM keeps the prompt's blocks for the decode worker to pull (it keeps
             # none for a prompt it could not prefill; the decode worker then computes it).
             chunk["disaggregated_params"] = {KV_TRANSFER_PARAMS: handed}
+            logger.debug("%s hands its KV cache over with %s", state.request_id, handed)
         return with_prefill_usage(chunk, state.prefill_result)
 
     def _terminal(self, state: _Request, reason: str) -> GenerateChunk:

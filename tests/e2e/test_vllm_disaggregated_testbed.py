@@ -1,0 +1,268 @@
+"""A disaggregated DynamoWorker (spec.prefill) with the vLLM engine on the test bed: the
+operator (a subprocess) runs one prefill pod and one decode pod of `dynamo-worker --engine
+vllm` on the process node (each in its own network namespace, behind the NetworkPolicies the
+operator made), serving the head_dim-64 tiny Llama on the CPU; vLLM's NixlConnector moves each
+prompt's KV cache from the prefill pod to the decode pod (NIXL over UCX, TCP between the
+pods), and upstream Dynamo's frontend (1.6.1, `hack/oracle-venv`, Kubernetes discovery) pairs
+the two roles.
+
+The reference is an aggregated vLLM worker of the same model on loopback, run first and
+stopped (vLLM starts cost about a minute of both cores each). Then, on one DynamoWorker, in
+order: both roles become Ready with their own flags; a greedy prompt longer than two KV blocks
+gives the reference's text, served by the prefill pod and received over KV transfer on the
+decode pod; a LoRAAdapter loads on both roles' pods (its status names each pod's role) and
+gives the reference's adapter text. Skipped without vLLM's or upstream's venv.
+
+Both roles share the machine's cores here (see `vllm.CPU_SHARING_ENV`). A decode pod stopped
+during streams is tested with the sample engine (tests/e2e/test_disaggregated_frontend.py):
+with vLLM on this 2-core test bed, streams started after the LoRA test did not reach the
+decode pod within a minute (not understood yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from kubernetes_asyncio import client
+
+from support import vllm
+from support.cluster import REPO, Cluster
+from support.operator_namespace import (
+    GROUP,
+    ON_PROCESS_NODE,
+    VERSION,
+    OperatorNamespace,
+    operator_namespace,
+)
+from support.testbed_workers import requests_served, worker_metric, worker_pods
+from support.tiny_model import TINY_MODEL_SEED, load_generator
+from support.upstream import upstream_python
+
+sys.path.insert(0, str(REPO / "hack"))
+from testbed.layout import VLLM_WORKER_IMAGE
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+WORKER = "tiny-disagg"
+SERVED = "tiny-llama"
+FRONTEND = f"{WORKER}-frontend"
+FRONTEND_IMAGE = "nvcr.io/nvidia/ai-dynamo/vllm-runtime:1.6.1"
+# KV blocks of 32 tokens (vLLM's CPU default is 128): the prompt spans two and a part.
+BLOCK = 32
+ENGINE_ARGS = (*vllm.CPU_EXTRA_ARGS, "--block-size", str(BLOCK))
+PROMPT = [(31 * n) % 400 + 10 for n in range(2 * BLOCK + 5)]
+# Both roles' pods share the process node's cores (see vllm.CPU_SHARING_ENV).
+CPU_SHARING_ENV = [{"name": k, "value": v} for k, v in vllm.CPU_SHARING_ENV.items()]
+
+
+@dataclass
+class Bed(OperatorNamespace):
+    """The namespace and its operator, the adapter's directory, the reference texts (by
+    model name) and this module's questions about its worker."""
+
+    adapter: str = ""
+    adapter_dir: Path = Path()
+    expected: dict[str, str] = field(default_factory=dict)
+
+    async def worker(self) -> dict[str, Any]:
+        found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "dynamoworkers", WORKER
+        )
+        return found
+
+    async def prefill_pods(self) -> list[Any]:
+        listing = await self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"dynamo.dev/prefill={WORKER}"
+        )
+        return [p for p in listing.items if p.metadata.deletion_timestamp is None]
+
+    async def frontend_url(self) -> str:
+        service = await self.core.read_namespaced_service(FRONTEND, self.namespace)
+        return f"http://{service.spec.cluster_ip}:8000"
+
+
+def ready(obj: dict[str, Any]) -> bool:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+async def completion(url: str, model: str) -> str:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body) as response,
+    ):
+        answer = await response.json(content_type=None)
+        assert response.status == 200, answer
+    return str(answer["choices"][0]["text"])
+
+
+async def reference_texts(
+    model: Path, adapter: str, adapter_dir: Path, log_dir: Path
+) -> dict[str, str]:
+    """The aggregated worker's greedy texts for PROMPT, without and with the adapter."""
+    python = vllm.vllm_python_or_skip()
+    reference = vllm.start_our_worker(
+        python,
+        model,
+        log_dir / "reference.log",
+        served_name=SERVED,
+        engine_args=(*ENGINE_ARGS, "--max-model-len", str(vllm.CPU_CONTEXT)),
+        env={"DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(log_dir / "loras")},
+    )
+    try:
+        await vllm.wait_ready(reference)
+        load = {"lora_name": adapter, "source": {"uri": adapter_dir.as_uri()}}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(reference.system_url + "/v1/loras", json=load) as response,
+        ):
+            assert response.status == 200, await response.text()
+        return {
+            model_name: await completion(reference.url, model_name)
+            for model_name in (SERVED, adapter)
+        }
+    finally:
+        reference.process.stop()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def bed(
+    api: client.ApiClient, testbed: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Bed]:
+    vllm.vllm_python_or_skip()
+    frontend_python = upstream_python()
+    log_dir = tmp_path_factory.mktemp("vllm-disagg-operator")
+    async with operator_namespace(api, testbed, "t-disagg", log_dir) as space:
+        model = space.shared / "model"
+        generator = load_generator()
+        await asyncio.to_thread(generator.write_tiny_model, model, TINY_MODEL_SEED, 64)
+        adapter = generator.ADAPTERS[0].name
+        adapter_dir = model / "adapters" / adapter
+        expected = await reference_texts(model / "base", adapter, adapter_dir, log_dir)
+        worker: Any = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "DynamoWorker",
+            "metadata": {"name": WORKER},
+            "spec": {
+                "model": {"name": SERVED, "source": str(model / "base")},
+                # The process node runs this image's command in vLLM's venv.
+                "image": VLLM_WORKER_IMAGE,
+                "replicas": 1,
+                "engine": {"name": "vllm", "extraArgs": list(ENGINE_ARGS)},
+                "resources": {"gpusPerPod": 1},
+                "tokenBudget": {"combinedLimit": vllm.CPU_CONTEXT},
+                "lora": {"enabled": True, "maxLoras": 1},
+                "drain": {"gracePeriodSeconds": 1, "drainTimeoutSeconds": 90},
+                "pod": {**ON_PROCESS_NODE, "env": CPU_SHARING_ENV},
+                # One prefill pod; everything else is the decode role's.
+                "prefill": {"replicas": 1},
+                "frontend": {
+                    "image": FRONTEND_IMAGE,
+                    "command": [str(frontend_python), "-m", "dynamo.frontend"],
+                    "pod": ON_PROCESS_NODE,
+                },
+            },
+        }
+        await space.create("dynamoworkers", worker)
+        yield Bed(**vars(space), adapter=adapter, adapter_dir=adapter_dir, expected=expected)
+
+
+async def test_both_roles_become_ready_with_their_flags(bed: Bed) -> None:
+    # Two vLLM starts share the machine's cores: a few minutes.
+    found = await bed.eventually("Ready", bed.worker, 600, ready)
+    status = found["status"]
+    assert status["readyReplicas"] == 1
+    assert status["prefill"]["readyReplicas"] == 1
+    assert sorted(p.get("role") for p in status["pods"]) == ["decode", "prefill"]
+    [decode] = await worker_pods(bed, WORKER)
+    [prefill] = await bed.prefill_pods()
+    for pod, role, kv_role in (
+        (prefill, "prefill", "kv_producer"),
+        (decode, "decode", "kv_consumer"),
+    ):
+        args = pod.spec.containers[0].args
+        assert args[args.index("--disaggregation-mode") + 1] == role
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
+
+
+async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
+    bed: Bed, testbed: Cluster
+) -> None:
+    await bed.eventually("Ready", bed.worker, 600, ready)
+    [decode] = await worker_pods(bed, WORKER)
+    [prefill] = await bed.prefill_pods()
+    url = await bed.frontend_url()
+    # The frontend pairs the roles once it has seen both in discovery.
+    await bed.eventually("the model listed", lambda: _models(url), 120, lambda m: SERVED in m)
+    served_before = await requests_served(prefill.status.pod_ip)
+    try:
+        text = await completion(url, SERVED)
+    except AssertionError:
+        await _print_logs(bed, testbed)
+        raise
+    assert text == bed.expected[SERVED]
+    # The transfer really happened (a skipped prefill would give the same text).
+    assert await requests_served(prefill.status.pod_ip) == served_before + 1
+    decode_ip = decode.status.pod_ip
+    received = "vllm:prompt_tokens_by_source_total"
+    assert await worker_metric(decode_ip, received, source="external_kv_transfer") >= 2 * BLOCK
+    assert await worker_metric(decode_ip, "vllm:nixl_bytes_transferred_sum") > 0
+
+
+async def test_an_adapter_loads_on_both_roles_and_is_prefilled_and_decoded_with(bed: Bed) -> None:
+    body: Any = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": bed.adapter},
+        "spec": {"workerRef": {"name": WORKER}, "source": {"uri": bed.adapter_dir.as_uri()}},
+    }
+    await bed.create("loraadapters", body)
+    found = await bed.eventually(
+        "the adapter loaded on 2 pods",
+        functools.partial(_adapter, bed),
+        180,
+        lambda a: ready(a) and a["status"].get("loaded") == "2/2",
+    )
+    assert sorted(p.get("role") for p in found["status"]["pods"]) == ["decode", "prefill"]
+    url = await bed.frontend_url()
+    await bed.eventually("the adapter listed", lambda: _models(url), 60, lambda m: bed.adapter in m)
+    text = await completion(url, bed.adapter)
+    assert text == bed.expected[bed.adapter]
+    assert text != bed.expected[SERVED]
+
+
+async def _adapter(bed: Bed) -> dict[str, Any]:
+    found: dict[str, Any] = await bed.custom.get_namespaced_custom_object(
+        GROUP, VERSION, bed.namespace, "loraadapters", bed.adapter
+    )
+    return found
+
+
+async def _models(url: str) -> set[str]:
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as r:
+            return {m["id"] for m in (await r.json())["data"]}
+    except aiohttp.ClientError:
+        return set()
+
+
+async def _print_logs(bed: Bed, testbed: Cluster) -> None:
+    """The logs of the namespace's pods (the frontend's, both roles'), for a failed request."""
+    listing = await bed.core.list_namespaced_pod(bed.namespace)
+    logs = Path(testbed.kubeconfig).parent / "pods"
+    for pod in listing.items:
+        log = logs / pod.metadata.uid / "main.log"
+        if log.exists():
+            print(f"--- {pod.metadata.name}\n{log.read_text(errors='replace')[-20000:]}")
