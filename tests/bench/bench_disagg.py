@@ -44,6 +44,7 @@ import aiohttp
 import pytest
 
 from support import vllm
+from support.stream_timing import StreamTiming, timed_stream
 from support.testbed_workers import metric_sum
 from support.tiny_model import TINY_MODEL_SEED, load_generator
 from support.upstream import UpstreamFleet, free_port, upstream_fleet
@@ -85,8 +86,8 @@ def prompt(length: int, seed: int) -> list[int]:
 
 async def stream(
     session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int
-) -> tuple[float, list[float], int]:
-    """One streamed completion: its TTFT, its inter-token gaps and its output tokens."""
+) -> StreamTiming:
+    """One streamed completion of `max_tokens` tokens, timed."""
     body = {
         "model": SERVED,
         "prompt": ids,
@@ -96,24 +97,9 @@ async def stream(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    started = time.perf_counter()
-    arrivals: list[float] = []
-    tokens = 0
-    async with session.post(url + "/v1/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line.endswith("[DONE]"):
-                continue
-            event = json.loads(line[len("data:") :])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-    assert tokens == max_tokens, f"{tokens} of {max_tokens} tokens"
-    assert arrivals, "no text streamed"
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    return arrivals[0] - started, gaps, tokens
+    timing = await timed_stream(session, url, body)
+    assert timing.tokens == max_tokens, f"{timing.tokens} of {max_tokens} tokens"
+    return timing
 
 
 async def mixed_load(url: str) -> Load:
@@ -127,10 +113,10 @@ async def mixed_load(url: str) -> Load:
                 if time.perf_counter() > deadline:
                     return
                 ids = prompt(SHORT_PROMPT, 1000 * client + n)
-                ttft, gaps, tokens = await stream(session, url, ids, STREAM_TOKENS)
-                out.stream_ttft.append(ttft)
-                out.stream_itl.extend(gaps)
-                out.tokens += tokens
+                timing = await stream(session, url, ids, STREAM_TOKENS)
+                out.stream_ttft.append(timing.ttft)
+                out.stream_itl.extend(timing.gaps)
+                out.tokens += timing.tokens
 
         async def long_prompts() -> None:
             pending = []
@@ -141,9 +127,9 @@ async def mixed_load(url: str) -> Load:
                     asyncio.create_task(stream(session, url, prompt(LONG_PROMPT, n), LONG_TOKENS))
                 )
                 await asyncio.sleep(LONG_EVERY)
-            for ttft, _, tokens in await asyncio.gather(*pending):
-                out.long_ttft.append(ttft)
-                out.tokens += tokens
+            for timing in await asyncio.gather(*pending):
+                out.long_ttft.append(timing.ttft)
+                out.tokens += timing.tokens
 
         started = time.perf_counter()
         await asyncio.gather(*(streams(c) for c in range(SHORT_STREAMS)), long_prompts())

@@ -24,8 +24,6 @@ test skips, naming the script, when a venv it needs is missing.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +34,7 @@ import aiohttp
 import pytest
 
 from support import vllm
+from support.stream_timing import timed_stream
 from support.tiny_model import TINY_MODEL_SEED, load_generator
 from support.upstream import UpstreamFleet, upstream_fleet
 
@@ -99,25 +98,11 @@ async def stream_once(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    started = time.perf_counter()
-    arrivals: list[float] = []
-    completion = 0
-    async with session.post(target.url + "/v1/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line.endswith("[DONE]"):
-                continue
-            event = json.loads(line[len("data:") :])
-            if event.get("usage"):
-                completion = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-    assert completion == OUTPUT_TOKENS, f"{target}: {completion} tokens"
-    assert arrivals, f"{target}: no text streamed"
-    out.tokens += completion
-    out.ttft.append(arrivals[0] - started)
-    out.itl.extend(b - a for a, b in itertools.pairwise(arrivals))
+    timing = await timed_stream(session, target.url, body)
+    assert timing.tokens == OUTPUT_TOKENS, f"{target}: {timing.tokens} tokens"
+    out.tokens += timing.tokens
+    out.ttft.append(timing.ttft)
+    out.itl.extend(timing.gaps)
 
 
 async def run_round(target: Target, requests: int) -> Round:

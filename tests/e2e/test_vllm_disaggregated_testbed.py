@@ -37,6 +37,7 @@ from kubernetes_asyncio import client
 
 from support import vllm
 from support.cluster import REPO, Cluster
+from support.dynamo_workers import condition
 from support.operator_namespace import (
     GROUP,
     ON_PROCESS_NODE,
@@ -92,8 +93,7 @@ class Bed(OperatorNamespace):
 
 
 def ready(obj: dict[str, Any]) -> bool:
-    conditions = (obj.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    return condition(obj, "Ready").get("status") == "True"
 
 
 async def completion(url: str, model: str) -> str:
