@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from support.testbed_workers import metric_sum
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_sse, upstream_fleet
+from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_json, post_sse, upstream_fleet
 from support.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -71,14 +71,9 @@ async def requests_served(worker: WorkerProcess) -> float:
     return await metric_sum(worker.system_url(), REQUESTS)
 
 
-async def post(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
-
-
 async def load_adapter(worker: WorkerProcess, tiny_model: TinyModel) -> None:
     load = {"lora_name": "sql-lora", "source": {"uri": tiny_model.adapters["sql-lora"].as_uri()}}
-    status, answer = await post(worker.system_url() + "/v1/loras", load)
+    status, answer = await post_json(worker.system_url() + "/v1/loras", load)
     assert status == 200, answer
 
 
@@ -105,7 +100,7 @@ async def test_the_frontend_prefills_then_decodes_with_the_adapter_on_both_roles
     before = {role: await requests_served(w) for role, w in (("p", prefill), ("d", decode))}
 
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8}
-    status, answer = await post(frontend + "/v1/completions", body)
+    status, answer = await post_json(frontend + "/v1/completions", body)
     assert status == 200, (answer, fleet.logs())
     assert answer["choices"][0]["text"] == text(expected)
     assert answer["usage"]["completion_tokens"] == 8
@@ -125,7 +120,7 @@ async def test_the_frontend_prefills_then_decodes_with_the_adapter_on_both_roles
     await fleet.wait_models(SERVED, "sql-lora")
     with_adapter = await engine_tokens(reference, "sql-lora")
     assert with_adapter != expected
-    status, answer = await post(frontend + "/v1/completions", {**body, "model": "sql-lora"})
+    status, answer = await post_json(frontend + "/v1/completions", {**body, "model": "sql-lora"})
     assert status == 200, (answer, fleet.logs())
     assert answer["choices"][0]["text"] == text(with_adapter)
 

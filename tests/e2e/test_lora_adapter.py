@@ -18,11 +18,8 @@ import asyncio
 import base64
 import itertools
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,7 +35,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynamo.common.lora import adapter_digest
 from dynamo_operator.pods.credentials import WORKER_ADMIN_AUDIENCE
-from support.cluster import REPO, Cluster
+from support.cluster import Cluster
 from support.operator_namespace import (
     GROUP,
     MERGE,
@@ -50,10 +47,8 @@ from support.operator_namespace import (
     serving_worker_spec,
 )
 from support.s3 import S3Server, testbed_s3_server
+from support.testbed_workers import signal_pod
 from support.tiny_model import TinyModel
-
-sys.path.insert(0, str(REPO / "hack"))
-from testbed.network import netns_name
 
 pytestmark = pytest.mark.e2e
 __all__ = ["testbed_s3_server"]
@@ -212,22 +207,6 @@ async def completion(ip: str, model: str) -> str:
     status, answer = await http_json("POST", f"http://{ip}:8000/v1/completions", body)
     assert status == 200, answer
     return str(answer["choices"][0]["text"])
-
-
-def worker_pids(pod: Any) -> list[int]:
-    """The processes of a process-node pod (everything in its network namespace)."""
-    found = subprocess.run(
-        ["ip", "netns", "pids", netns_name(pod.metadata.uid)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return [int(pid) for pid in found.stdout.split()]
-
-
-def signal_pod(pod: Any, signum: int) -> None:
-    for pid in worker_pids(pod):
-        os.kill(pid, signum)
 
 
 @pytest_asyncio.fixture(scope="module")

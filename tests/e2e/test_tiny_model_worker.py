@@ -15,6 +15,7 @@ from kubernetes_asyncio import client
 from support.cluster import REPO, Cluster, ensure_crd, eventually
 from support.s3 import S3Server
 from support.tiny_model import TinyModel
+from support.upstream import post_json
 from support.worker_process import WorkerFactory, worker_factory
 
 pytestmark = pytest.mark.e2e
@@ -22,11 +23,6 @@ __all__ = ["worker_factory"]
 
 ENGINE = "dynamo.engines.transformers_engine:TransformersEngine"
 DWM = ("nvidia.com", "v1alpha1", "dynamoworkermetadatas")
-
-
-async def post_json(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
 
 
 async def get_json(url: str) -> Any:

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from support.interop_engines import FAIL_AFTER_FIRST_TOKEN_SEED, FAIL_BEFORE_OUTPUT_SEED
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_sse, upstream_fleet
+from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_json, post_sse, upstream_fleet
 from support.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -28,11 +28,6 @@ __all__ = ["upstream_fleet"]
 
 SCRIPTED_ENGINE = "support.interop_engines:ScriptedEngine"
 SERVED = "tiny-llama"
-
-
-async def post(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
 
 
 async def engine_tokens(
@@ -108,7 +103,7 @@ async def test_listed_and_serving_chat_and_completions(
     prompt = [40, 41, 42, 43]
     expected = decode(await engine_tokens(worker, prompt, 6))
     body = {"model": SERVED, "prompt": prompt, "max_tokens": 6}
-    status, answer = await post(frontend + "/v1/completions", body)
+    status, answer = await post_json(frontend + "/v1/completions", body)
     assert status == 200, (answer, fleet.logs())
     assert answer["choices"][0]["text"] == expected
     assert answer["choices"][0]["finish_reason"] == "length"
@@ -123,7 +118,7 @@ async def test_listed_and_serving_chat_and_completions(
     prompt_ids = chat_prompt_ids(tiny_model.base, messages)
     expected = decode(await engine_tokens(worker, prompt_ids, 5))
     chat = {"model": SERVED, "messages": messages, "max_tokens": 5}
-    status, answer = await post(frontend + "/v1/chat/completions", chat)
+    status, answer = await post_json(frontend + "/v1/chat/completions", chat)
     assert status == 200, (answer, fleet.logs())
     assert answer["choices"][0]["message"]["content"] == expected
     assert answer["usage"]["prompt_tokens"] == len(prompt_ids)
@@ -146,13 +141,13 @@ async def test_text_round_trips_and_engine_errors_map_to_http(
     await fleet.wait_models(SERVED)
     text = "Workers serve requests, stream tokens, and drain gracefully."
     body = {"model": SERVED, "prompt": text, "max_tokens": 100}
-    status, answer = await post(frontend + "/v1/completions", body)
+    status, answer = await post_json(frontend + "/v1/completions", body)
     assert status == 200, (answer, fleet.logs())
     # The engine echoed the prompt's tokens; the frontend decoded them back to the text.
     assert answer["choices"][0]["text"] == text
     # An engine exception before any output: upstream's "Unknown" error, HTTP 500.
     chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-    status, answer = await post(
+    status, answer = await post_json(
         frontend + "/v1/chat/completions", {**chat, "seed": FAIL_BEFORE_OUTPUT_SEED}
     )
     assert status == 500, answer
@@ -167,7 +162,7 @@ async def test_text_round_trips_and_engine_errors_map_to_http(
     errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
     assert [error["code"] for error in errors] == [500], events
     # The worker still serves afterwards (an in-band error does not mark it down).
-    status, answer = await post(frontend + "/v1/completions", body)
+    status, answer = await post_json(frontend + "/v1/completions", body)
     assert status == 200
 
 
@@ -214,14 +209,14 @@ async def test_lora_adapter_loaded_on_our_worker_is_routable(
         "lora_name": "sql-lora",
         "source": {"uri": tiny_model.adapters["sql-lora"].as_uri()},
     }
-    status, answer = await post(worker.system_url() + "/v1/loras", load)
+    status, answer = await post_json(worker.system_url() + "/v1/loras", load)
     assert status == 200, answer
     await fleet.wait_models(SERVED, "sql-lora")
     decode = Tokenizer.from_file(str(tiny_model.base / "tokenizer.json")).decode
     prompt = [50, 51, 52]
     expected = await engine_tokens(worker, prompt, 8, model="sql-lora")
     assert expected != await engine_tokens(worker, prompt, 8)  # the adapter changes the output
-    status, answer = await post(
+    status, answer = await post_json(
         frontend + "/v1/completions", {"model": "sql-lora", "prompt": prompt, "max_tokens": 8}
     )
     assert status == 200, (answer, fleet.logs())
@@ -260,7 +255,7 @@ async def test_mixed_fleet_serves_on_upstream_and_our_worker(
     deadline = time.monotonic() + 30
     while min(counts.values()) < 2:
         assert time.monotonic() < deadline, (counts, fleet.logs())
-        status, answer = await post(frontend + "/v1/completions", body)
+        status, answer = await post_json(frontend + "/v1/completions", body)
         assert status == 200, (answer, fleet.logs())
         assert answer["usage"]["completion_tokens"] == 4
         counts["upstream"] = await metric(upstream_system, "dynamo_component_requests_total")
@@ -330,7 +325,7 @@ async def test_kv_aware_routing_follows_our_kv_events(
                 await metric(w.system_url(), "dynamo_component_requests_total") for w in workers
             ]
             body = {"model": SERVED, "prompt": prompt, "max_tokens": 2}
-            status, answer = await post(frontend + "/v1/completions", body)
+            status, answer = await post_json(frontend + "/v1/completions", body)
             assert status == 200, answer
             after = [
                 await metric(w.system_url(), "dynamo_component_requests_total") for w in workers

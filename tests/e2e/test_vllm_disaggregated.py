@@ -7,19 +7,22 @@ A greedy prompt longer than two KV blocks must give exactly what an aggregated w
 and the transfer must really have happened (a silently skipped prefill would give the same
 text): the prefill worker served the request, and on the decode worker vLLM counted prompt
 tokens from external KV transfer and NIXL counted bytes. A request cancelled while it decodes
-frees its blocks on both workers. Skipped without the venvs of `hack/vllm-venv` and
-`hack/oracle-venv`.
+frees its blocks on both workers. A prefill worker stopped (SIGTERM) before the decode worker
+pulled its blocks waits for the pull, so that request still completes. Skipped without the
+venvs of `hack/vllm-venv` and `hack/oracle-venv`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 
 from support import vllm
@@ -138,3 +141,34 @@ async def test_prefill_on_one_worker_decode_on_the_other(
         ):
             assert time.monotonic() < deadline, (url, fleet.logs())
             await asyncio.sleep(0.2)
+
+    # SIGTERM to the prefill worker while the decode worker has yet to pull a request's blocks
+    # (it is frozen): the prefill worker's drain waits for the pull, then exits.
+    decode_tree = process_tree(workers["decode"])
+    for process in decode_tree:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        served = await metric_sum(prefill, "dynamo_component_requests_total")
+        request = asyncio.create_task(complete(fleet.frontend_url, prompt[::-1], 12))
+        prefilled_by = time.monotonic() + 60
+        while await metric_sum(prefill, "dynamo_component_requests_total") == served:
+            assert not request.done(), fleet.logs()
+            assert time.monotonic() < prefilled_by, fleet.logs()
+            await asyncio.sleep(0.1)
+        stopping = workers["prefill"].process
+        stopping.process.send_signal(signal.SIGTERM)
+        # Without the wait, the prefill worker (grace period 0) is gone within this.
+        await asyncio.sleep(5)
+        assert stopping.process.poll() is None, fleet.logs()
+    finally:
+        for process in decode_tree:
+            process.send_signal(signal.SIGCONT)
+    answer = await asyncio.wait_for(request, 60)
+    assert answer["usage"]["completion_tokens"] == 12
+    assert await asyncio.to_thread(stopping.process.wait, 60) == 0
+
+
+def process_tree(worker: vllm.Served) -> list[psutil.Process]:
+    """A worker process and every process it started (vLLM's engine core and workers)."""
+    root = psutil.Process(worker.process.process.pid)
+    return [root, *root.children(recursive=True)]

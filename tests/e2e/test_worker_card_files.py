@@ -29,7 +29,7 @@ from dynamo.runtime.card_files import BASE_SUFFIX, checked_files
 from dynamo.runtime.discovery.file import INSTANCES, MDC, encode_key
 from support.cluster import REPO, Cluster, ensure_crd, eventually
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE, UpstreamFleet, upstream_fleet
+from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_json, upstream_fleet
 from support.worker_process import WorkerFactory, WorkerProcess, worker_factory
 
 pytestmark = pytest.mark.e2e
@@ -52,14 +52,9 @@ async def get(url: str) -> tuple[int, bytes]:
         return response.status, await response.read()
 
 
-async def post(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
-
-
 async def load_adapter(worker: WorkerProcess, tiny_model: TinyModel) -> None:
     body = {"lora_name": ADAPTER, "source": {"uri": tiny_model.adapters[ADAPTER].as_uri()}}
-    status, answer = await post(worker.system_url() + "/v1/loras", body)
+    status, answer = await post_json(worker.system_url() + "/v1/loras", body)
     assert status == 200, answer
 
 
@@ -266,7 +261,7 @@ async def test_upstream_frontend_downloads_the_http_card_files(
             # have fetched from the URLs (its HOME is empty; the card names no local path).
             chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
             for model in (SERVED, ADAPTER):
-                status, answer = await post(
+                status, answer = await post_json(
                     frontend + "/v1/chat/completions", {**chat, "model": model}
                 )
                 assert status == 200, (answer, fleet.logs())

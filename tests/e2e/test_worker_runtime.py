@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support.lora_adapters import adapter_files
 from support.s3 import S3Server
+from support.upstream import post_json
 from support.worker_process import SAMPLE_ENGINE, WorkerFactory, WorkerProcess, worker_factory
 
 pytestmark = pytest.mark.e2e
@@ -25,11 +26,6 @@ __all__ = ["worker_factory"]
 
 def sample(*args: str) -> tuple[str, ...]:
     return ("--engine", SAMPLE_ENGINE, *args)
-
-
-async def post_json(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
 
 
 async def get_json(url: str) -> tuple[int, Any]:

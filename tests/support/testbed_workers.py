@@ -7,7 +7,10 @@ each pod cached through its own route, and what the worker Service resolves to."
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +18,11 @@ import aiohttp
 from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.cluster import Cluster
+from support.cluster import REPO, Cluster
 from support.operator_namespace import OperatorNamespace
+
+sys.path.insert(0, str(REPO / "hack"))
+from testbed.network import netns_name
 
 
 async def service_addresses(api: client.ApiClient, namespace: str, service: str) -> list[str]:
@@ -139,3 +145,20 @@ async def kv_routes(
             after = {w: await requests_served(w) for w in ips}
             routed.append((ip, [w for w in ips if after[w] > before[w]]))
     return routed
+
+
+def worker_pids(pod: Any) -> list[int]:
+    """The processes of a process-node pod (everything in its network namespace)."""
+    found = subprocess.run(
+        ["ip", "netns", "pids", netns_name(pod.metadata.uid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def signal_pod(pod: Any, signum: int) -> None:
+    """Send `signum` to every process of a process-node pod."""
+    for pid in worker_pids(pod):
+        os.kill(pid, signum)

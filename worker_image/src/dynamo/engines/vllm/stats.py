@@ -60,6 +60,8 @@ class RankStats:
         self._hits = 0
         self._iterations = 0
         self._active = False
+        # Blocks in use after the last engine step (0 before the first).
+        self.kv_used_blocks = 0
 
     # vLLM's StatLoggerBase methods.
     def record(
@@ -108,6 +110,7 @@ class RankStats:
             self._hits += int(getattr(prefix, "hits", 0))
         usage = float(stats.kv_cache_usage)
         used = self.used_blocks(usage)
+        self.kv_used_blocks = used
         key = (used, self.hit_rate())
         if self.publisher is None or key == self._last_snapshot:
             return
