@@ -10,14 +10,16 @@ The reference is an aggregated vLLM worker of the same model on loopback, run fi
 stopped (vLLM starts cost about a minute of both cores each). Then, on one DynamoWorker, in
 order: both roles become Ready with their own flags; a greedy prompt longer than two KV blocks
 gives the reference's text, served by the prefill pod and received over KV transfer on the
-decode pod. Skipped without vLLM's or upstream's venv.
+decode pod; the prefill pod, SIGKILLed after it answered and before the decode pod pulled the
+blocks, fails that request only (500, the decode pod's slot and blocks freed) and the pair
+serves again once it restarted; the decode pod, deleted during 4 streams, completes all 4.
+Skipped without vLLM's or upstream's venv; the last two need MIN_CORES (see there).
 
-Both roles share the machine's cores (see `vllm.CPU_SHARING_ENV`); the module skips on fewer
-than MIN_CORES, where it is not reliable (see MIN_CORES). An adapter on both
-roles and a decode pod stopped during streams are tested with the sample engine
-(tests/e2e/test_disaggregated_frontend.py): with vLLM on this 2-core test bed, the decode pod
-once stopped answering on its first adapter request (its log ended without an error and its
-pod was replaced), which is not understood yet.
+Both roles share the machine's cores (see `vllm.CPU_SHARING_ENV`). An adapter on both roles is
+tested with the sample engine (tests/e2e/test_disaggregated_frontend.py): with vLLM on this
+2-core test bed, the decode pod once stopped answering on its first adapter request (its log
+ended without an error and its pod was replaced), before the worker warmed vLLM's sampler up;
+a LoRA request's first compile is the likely cause, not yet shown.
 """
 
 from __future__ import annotations
@@ -49,24 +51,24 @@ from support.operator_namespace import (
 )
 from support.testbed_workers import requests_served, signal_pod, worker_metric, worker_pods
 from support.tiny_model import TINY_MODEL_SEED, load_generator
-from support.upstream import post_json, post_sse, upstream_python
+from support.upstream import assert_stream_completed, post_json, post_sse, upstream_python
 
 sys.path.insert(0, str(REPO / "hack"))
 from testbed.layout import VLLM_WORKER_IMAGE
 
-# Two vLLM engines, each with NIXL's progress thread busy-polling a core, plus the test bed:
-# on this project's 2-core machines the decode pod's KV transfer stalled for 30 s (vLLM then
-# gave the request up) in 2 of 8 runs, so the module needs more cores to be a fair test.
-MIN_CORES = 2
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        (os.cpu_count() or 1) < MIN_CORES,
-        reason=f"needs {MIN_CORES} CPU cores: on 2, two vLLM engines with NIXL's busy progress "
-        "threads stalled the KV transfer between the pods in 2 of 8 runs",
-    ),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+# The two fault tests need more cores than this project's 2-core machines. There, after the
+# prefill container restarted, the decode pod's first pull from the new engine once never
+# completed (the new prefill engine released the blocks when their 30 s lease ran out, and the
+# decode pod kept polling); and once the prefill pod spent a minute compiling vLLM's sampler
+# for a batch of 4 before it answered the streams.
+MIN_CORES = 4
+needs_cores = pytest.mark.skipif(
+    (os.cpu_count() or 1) < MIN_CORES,
+    reason=f"needs {MIN_CORES} CPU cores: on 2, two vLLM engines plus a restart or a batch "
+    "compile stalled the KV transfer between the pods",
+)
 
 WORKER = "tiny-disagg"
 SERVED = "tiny-llama"
@@ -219,6 +221,7 @@ async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
     assert await worker_metric(decode_ip, "vllm:nixl_bytes_transferred_sum") > 0
 
 
+@needs_cores
 async def test_a_prefill_pod_killed_before_its_cache_is_pulled_fails_the_request_only(
     bed: Bed, testbed: Cluster
 ) -> None:
@@ -285,6 +288,7 @@ async def _running_and_usage(ip: str) -> tuple[float, float]:
     return running, await worker_metric(ip, "vllm:kv_cache_usage_perc")
 
 
+@needs_cores
 async def test_a_decode_pod_stopped_during_four_streams_completes_them(bed: Bed) -> None:
     await bed.eventually("Ready", bed.worker, 600, ready)
     [decode] = await worker_pods(bed, WORKER)
@@ -308,11 +312,7 @@ async def test_a_decode_pod_stopped_during_four_streams_completes_them(bed: Bed)
     await bed.core.delete_namespaced_pod(decode.metadata.name, bed.namespace)
     assert not any(stream.done() for stream in streams)
     for status, events in await asyncio.gather(*streams):
-        assert status == 200, events
-        assert events[-1] == "[DONE]"
-        usage = [e["usage"] for e in events[:-1] if e.get("usage")]
-        assert usage, events[-3:]
-        assert usage[-1]["completion_tokens"] == DRAIN_TOKENS, events[-3:]
+        assert_stream_completed(status, events, DRAIN_TOKENS)
 
 
 async def _models(url: str) -> set[str]:

@@ -46,7 +46,7 @@ from support.testbed_workers import (
     worker_pods,
 )
 from support.tiny_model import TINY_MODEL_SEED, load_generator
-from support.upstream import post_sse, upstream_python
+from support.upstream import assert_stream_completed, post_sse, upstream_python
 
 sys.path.insert(0, str(REPO / "hack"))
 from testbed.layout import VLLM_WORKER_IMAGE
@@ -263,11 +263,7 @@ async def test_sigterm_during_five_streams_completes_all_five(bed: Bed) -> None:
     await bed.core.delete_namespaced_pod(victim.metadata.name, bed.namespace)
     assert not any(stream.done() for stream in streams)
     for status, events in await asyncio.gather(*streams):
-        assert status == 200, events
-        assert events[-1] == "[DONE]"
-        usage = [e["usage"] for e in events[:-1] if e.get("usage")]
-        assert usage, events[-3:]
-        assert usage[-1]["completion_tokens"] == DRAIN_TOKENS, events[-3:]
+        assert_stream_completed(status, events, DRAIN_TOKENS)
 
     # The pod drained and exited: the process node finalized it.
     async def names() -> set[str]:

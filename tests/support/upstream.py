@@ -308,3 +308,12 @@ async def post_sse(url: str, body: Any) -> tuple[int, list[Any]]:
                 data = line[len("data:") :].strip()
                 events.append(data if data == "[DONE]" else json.loads(data))
         return response.status, events
+
+
+def assert_stream_completed(status: int, events: list[Any], tokens: int) -> None:
+    """A `post_sse` answer ended whole: 200, `[DONE]` last, `tokens` tokens in its usage."""
+    assert status == 200, events
+    assert events[-1] == "[DONE]", events[-3:]
+    usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+    assert usage, events[-3:]
+    assert usage[-1]["completion_tokens"] == tokens, events[-3:]
