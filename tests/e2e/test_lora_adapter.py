@@ -47,7 +47,7 @@ from support.operator_namespace import (
     serving_worker_spec,
 )
 from support.s3 import S3Server, testbed_s3_server
-from support.testbed_workers import signal_pod
+from support.testbed_workers import signal_pod, wait_restarted
 from support.tiny_model import TinyModel
 
 pytestmark = pytest.mark.e2e
@@ -451,18 +451,8 @@ async def test_only_authorized_callers_may_change_a_worker(bed: Bed) -> None:
 
 async def test_a_killed_worker_gets_the_adapter_back(bed: Bed) -> None:
     victim = (await bed.pods())[0]
-    restarts = victim.status.container_statuses[0].restart_count
     signal_pod(victim, signal.SIGKILL)
-
-    async def victim_now() -> Any:
-        return await bed.core.read_namespaced_pod(victim.metadata.name, bed.namespace)
-
-    await bed.eventually(
-        "the killed worker restarts",
-        victim_now,
-        120,
-        lambda p: p.status.container_statuses[0].restart_count > restarts and _ready(p),
-    )
+    await wait_restarted(bed, victim, 120, _ready)
     await bed.wait_adapter("sql", all_loaded(2, bed.uri("sql-lora")), within=60)
     assert "sql" in await loras(victim.status.pod_ip)
     notes = [e.get("note") or "" for e in await bed.events() if e.get("reason") == "Reloading"]

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,24 @@ def signal_pod(pod: Any, signum: int) -> None:
     """Send `signum` to every process of a process-node pod."""
     for pid in worker_pids(pod):
         os.kill(pid, signum)
+
+
+async def wait_restarted(
+    space: OperatorNamespace,
+    pod: Any,
+    within: float,
+    ready: Callable[[Any], bool],
+) -> Any:
+    """Until `pod`'s container has restarted since `pod` was read and `ready(pod)` holds; the
+    pod as last read."""
+    restarts = pod.status.container_statuses[0].restart_count
+
+    async def now() -> Any:
+        return await space.core.read_namespaced_pod(pod.metadata.name, space.namespace)
+
+    return await space.eventually(
+        f"{pod.metadata.name} restarted",
+        now,
+        within,
+        lambda found: found.status.container_statuses[0].restart_count > restarts and ready(found),
+    )
