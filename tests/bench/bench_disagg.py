@@ -241,6 +241,7 @@ async def test_disaggregated_against_aggregated(
         for role, kv_role in ROLES.items()
     ]
     await start(fleet, pair)
+    await fleet.wait_prefill_router()
     await mixed_load(url)  # warm-up
     decode = pair[1].system_url
     before = {

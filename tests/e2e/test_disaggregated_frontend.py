@@ -95,6 +95,7 @@ async def test_the_frontend_prefills_then_decodes_with_the_adapter_on_both_roles
         **lora,
     )
     await fleet.wait_models(SERVED)
+    await fleet.wait_prefill_router()
     text = Tokenizer.from_file(str(tiny_model.base / "tokenizer.json")).decode
     expected = await engine_tokens(reference)
     before = {role: await requests_served(w) for role, w in (("p", prefill), ("d", decode))}
@@ -131,9 +132,11 @@ async def test_decode_drains_its_streams_on_sigterm(
     fleet = upstream_fleet
     frontend = await fleet.start_frontend()
     role_worker(fleet, tiny_model, "prefill")
-    # 100 tokens at 40 ms: each stream runs about 4 s.
-    decode = role_worker(fleet, tiny_model, "decode", "--token-delay", "0.04")
+    # 100 tokens at 100 ms: each stream runs about 10 s, time enough for all four to start on
+    # a busy machine.
+    decode = role_worker(fleet, tiny_model, "decode", "--token-delay", "0.1")
     await fleet.wait_models(SERVED)
+    await fleet.wait_prefill_router()
     body = {
         "model": SERVED,
         "prompt": PROMPT,
@@ -144,7 +147,8 @@ async def test_decode_drains_its_streams_on_sigterm(
     streams = [asyncio.create_task(post_sse(frontend + "/v1/completions", body)) for _ in range(4)]
     # Once every stream is decoding, stop the decode worker.
     while await metric_sum(decode.system_url(), "dynamo_component_inflight_requests") != 4:
-        assert not any(stream.done() for stream in streams), fleet.logs()
+        ended = [stream.result() for stream in streams if stream.done()]
+        assert not ended, (ended, fleet.logs())
         await asyncio.sleep(0.05)
     decode.terminate()
     results = await asyncio.gather(*streams)

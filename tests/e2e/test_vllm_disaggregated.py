@@ -7,7 +7,8 @@ A greedy prompt longer than two KV blocks must give exactly what an aggregated w
 and the transfer must really have happened (a silently skipped prefill would give the same
 text): the prefill worker served the request, and on the decode worker vLLM counted prompt
 tokens from external KV transfer and NIXL counted bytes. A request cancelled while it decodes
-frees its blocks on both workers. A prefill worker stopped (SIGTERM) before the decode worker
+frees its blocks on both workers. A request that reaches the decode worker without a prefill
+result is prefilled there. A prefill worker stopped (SIGTERM) before the decode worker
 pulled its blocks waits for the pull, so that request still completes. Skipped without the
 venvs of `hack/vllm-venv` and `hack/oracle-venv`.
 """
@@ -102,6 +103,7 @@ async def test_prefill_on_one_worker_decode_on_the_other(
     for worker in workers.values():
         await vllm.wait_ready(worker)
     await fleet.wait_models(SERVED, within=120)
+    await fleet.wait_prefill_router()
     cards = [json.loads(p.read_text()) for p in (fleet.kv / "v1" / "mdc").iterdir()]
     assert {card["card_json"]["worker_type"] for card in cards} == {"prefill", "decode"}
     assert {card["card_json"]["kv_cache_block_size"] for card in cards} == {BLOCK}
@@ -121,6 +123,17 @@ async def test_prefill_on_one_worker_decode_on_the_other(
     )
     assert received >= 2 * BLOCK
     assert await metric_sum(decode, "vllm:nixl_bytes_transferred_sum") > 0
+
+    # Asked directly, without a prefill result (a frontend that has yet to pair the roles
+    # routes so), the decode worker prefills the prompt itself, as upstream's does.
+    alone = await complete(workers["decode"].url, prompt, 12)
+    assert alone["choices"][0]["text"] == expected, fleet.logs()
+    assert (
+        await metric_sum(
+            decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        == received
+    )
 
     # Cancelled while decoding: both workers free the request's blocks.
     body = {"model": SERVED, "prompt": prompt, "max_tokens": 400, "stream": True}

@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 ORACLE_VENV_ENV = "DYNAMO_ORACLE_VENV"
 DEFAULT_ORACLE_VENV = Path.home() / ".cache" / "dynamo-testbed" / "oracle-venv"
 SAMPLE_ENGINE = "dynamo.engines.sample:SampleEngine"
+# What upstream's frontend (1.6.1) logs once it routes a model's requests through prefill.
+PREFILL_ROUTER_ACTIVATED = "Prefill router target activated"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -99,6 +101,7 @@ class UpstreamFleet:
         self.processes: list[UpstreamProcess] = []
         self.workers: list[WorkerProcess] = []
         self.frontend_url = ""
+        self.frontend_log = root / "frontend.log"
 
     def upstream_env(self, **extra: str) -> dict[str, str]:
         """Loopback everywhere; HOME is scratch (the frontend caches model files there)."""
@@ -130,7 +133,7 @@ class UpstreamFleet:
                 *args,
             ],
             self.upstream_env(),
-            self.root / "frontend.log",
+            self.frontend_log,
         )
         self.processes.append(frontend)
         self.frontend_url = f"http://127.0.0.1:{port}"
@@ -211,15 +214,19 @@ class UpstreamFleet:
     async def wait_frontend_log(self, fragment: str, within: float = 30) -> None:
         """Wait until the frontend's log has a line containing `fragment` (ANSI colours
         removed)."""
-        frontend = self.processes[0]
         deadline = time.monotonic() + within
         while True:
-            text = _ANSI.sub("", frontend.log_path.read_text(errors="replace"))
+            text = _ANSI.sub("", self.frontend_log.read_text(errors="replace"))
             if fragment in text:
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"frontend never logged {fragment!r}:\n{self.logs()}")
             await asyncio.sleep(0.05)
+
+    async def wait_prefill_router(self, within: float = 30) -> None:
+        """Wait until the frontend routes through the prefill worker set. It lists the model
+        once it has discovered both roles, and activates its prefill router only after that."""
+        await self.wait_frontend_log(PREFILL_ROUTER_ACTIVATED, within)
 
     async def wait_kv_subscriptions(self, workers: int, within: float = 30) -> None:
         """Until `workers` kv-events channels are advertised in the file store and the

@@ -14,6 +14,7 @@ import pytest
 
 from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.dynamoworker import DECODE, PREFILL, WorkerRole
+from dynamo_operator.api.kv_transfer import KvTransferStatus
 from dynamo_operator.api.loraadapter import LoRAAdapter, LoRAAdapterStatus
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import Cluster
@@ -144,6 +145,44 @@ def test_a_failing_prefill_deployment_is_a_degradation() -> None:
         "ReplicaFailure",
         "the prefill Deployment cannot create pods: quota exceeded",
     )
+
+
+def test_each_roles_kv_transfers_are_in_status_and_a_failing_one_degrades() -> None:
+    ready = deployment("llm-prefill", replicas=1, ready=1, updated=1)
+    healthy = {
+        DECODE: KvTransferStatus(
+            health="Healthy", transfers=4, bytes_transferred=4096, pods_read=2
+        ),
+        PREFILL: KvTransferStatus(health="Healthy", pods_read=1),
+    }
+    status = observe(ready, kv_transfer=healthy)
+    assert status["kvTransfer"] == {
+        "health": "Healthy",
+        "transfers": 4,
+        "bytesTransferred": 4096,
+        "failedTransfers": 0,
+        "expiredRequests": 0,
+        "podsRead": 2,
+    }
+    assert status["prefill"]["kvTransfer"]["health"] == "Healthy"
+    assert condition(status, "Degraded")[:2] == ("False", "AsExpected")
+
+    failing = {
+        DECODE: KvTransferStatus(health="Failing", failed_transfers=2, last_failure_time=T0),
+        PREFILL: KvTransferStatus(health="Failing", expired_requests=1, last_failure_time=T0),
+    }
+    status = observe(ready, kv_transfer=failing)
+    assert status["kvTransfer"]["lastFailureTime"] == "2026-01-01T12:00:00Z"
+    assert condition(status, "Degraded") == (
+        "True",
+        "KvTransferFailing",
+        "KV-cache transfers between the roles failed in the last 300 s: decode pods count 2 "
+        "failed transfers; prefill pods count 0 failed transfers and 1 requests whose blocks "
+        "expired unpulled; see status.kvTransfer and status.prefill.kvTransfer, and check that "
+        "the NIXL side-channel and UCX ports are open between the roles' pods",
+    )
+    # Nothing read yet (a new leader keeps what status showed; see the reconciler).
+    assert "kvTransfer" not in observe(ready)
 
 
 def test_an_aggregated_worker_has_no_prefill_status_nor_roles() -> None:

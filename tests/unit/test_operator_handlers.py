@@ -115,7 +115,7 @@ def test_every_handler_is_registered_with_a_stable_id() -> None:
     }
     assert ids == {
         "changing": {"lora_unload"},
-        "spawning": {"resync", "autoscale", "lora_sync"},
+        "spawning": {"resync", "autoscale", "kv_transfer", "lora_sync"},
         "indexing": {
             "worker_pods",
             "pod_workers",

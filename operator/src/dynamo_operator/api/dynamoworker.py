@@ -27,6 +27,7 @@ from dynamo_operator.api.common import (
     defaulted,
 )
 from dynamo_operator.api.endpoints import ENDPOINT_HOST_RULE
+from dynamo_operator.api.kv_transfer import KvTransferStatus
 from dynamo_operator.api.pod import PodOverrides
 from dynamo_operator.api.resource import (
     AGE_COLUMN,
@@ -960,6 +961,9 @@ class PrefillStatus(StatusModel):
     updated_replicas: int = Field(
         default=0, ge=0, le=MAX_STATUS_PODS, description="Prefill pods running the current spec."
     )
+    kv_transfer: KvTransferStatus | None = Field(
+        default=None, description="The prefill pods' side of the KV-cache transfers."
+    )
 
 
 class ModelCacheStatus(StatusModel):
@@ -1025,6 +1029,10 @@ class DynamoWorkerStatus(StatusModel):
     )
     prefill: PrefillStatus | None = Field(
         default=None, description="The prefill pods, when spec.prefill is set."
+    )
+    kv_transfer: KvTransferStatus | None = Field(
+        default=None,
+        description="With spec.prefill: the decode pods' side of the KV-cache transfers.",
     )
     model_cache: ModelCacheStatus | None = Field(
         default=None, description="The model cache, when spec.model.cache is set."

@@ -33,6 +33,7 @@ from dynamo_operator.pods.load import LoadReader
 from dynamo_operator.pods.taints import TaintPusher
 from dynamo_operator.reconcile.crds import install_crds
 from dynamo_operator.reconcile.dynamoworker.autoscaler import Autoscaler
+from dynamo_operator.reconcile.dynamoworker.kv_transfer import KvTransferMonitor
 from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.events import EventRecorder
@@ -59,6 +60,7 @@ class Services:
     taints: TaintPusher
     lora: LoraReconciler
     autoscaler: Autoscaler
+    kv_transfer: KvTransferMonitor
 
 
 @dataclass
@@ -105,18 +107,24 @@ class OperatorContext:
         if self.fence is not None:
             middlewares = (WriteFence(self.fence), *middlewares)
         http = aiohttp.ClientSession(middlewares=middlewares)
+
+        def wake_worker(namespace: str, name: str) -> None:
+            self.wake(DYNAMO_WORKER, namespace, name)
+
         taints = TaintPusher(
             http,
-            on_done=lambda namespace, worker: self.wake(DYNAMO_WORKER, namespace, worker),
+            on_done=wake_worker,
             metrics=self.metrics,
         )
+        reader = LoadReader(http)
         autoscaler = Autoscaler(
             cluster,
-            LoadReader(http),
+            reader,
             EventRecorder(cluster, socket.gethostname()),
             self.metrics,
-            on_change=lambda namespace, name: self.wake(DYNAMO_WORKER, namespace, name),
+            on_change=wake_worker,
         )
+        kv_transfer = KvTransferMonitor(reader, on_change=wake_worker)
         reconciler = WorkerReconciler(
             cluster,
             ReconcileSettings(
@@ -129,6 +137,7 @@ class OperatorContext:
             taints,
             reporting_instance=socket.gethostname(),
             autoscaling=autoscaler.view,
+            kv_transfer=kv_transfer.view,
         )
         lora = LoraReconciler(
             cluster,
@@ -139,7 +148,9 @@ class OperatorContext:
         )
         self.watched_children = await watched_children(reconciler)
         await self.serve_metrics()
-        self._services = Services(api, cluster, reconciler, http, taints, lora, autoscaler)
+        self._services = Services(
+            api, cluster, reconciler, http, taints, lora, autoscaler, kv_transfer
+        )
 
     async def serve_metrics(self) -> None:
         """Start `/metrics` unless disabled or already started (a standby serves it before

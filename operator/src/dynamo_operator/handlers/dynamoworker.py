@@ -6,6 +6,9 @@
   whenever the DynamoWorker or one of its children changes (any child the operator applies,
   its pods, their DynamoWorkerMetadata), after `RETRY_DELAY_SECONDS` when the API server
   refused, and at least every resync period.
+- With spec.prefill, a daemon reads both roles' KV-transfer counters every
+  `KV_TRANSFER_POLL_SECONDS` (`KvTransferMonitor`), waking the reconciler when what status
+  shows of them changes.
 - The DynamoWorker's own watch events wake it, except the echo of our own status write.
   There is no create or update handler: kopf would store a diff base on every object for
   it (one more PATCH each), and a second path into the reconciler.
@@ -50,6 +53,8 @@ from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo, required
 RETRY_DELAY_SECONDS = 5.0
 # How often the autoscaler reads each autoscaled DynamoWorker's pods.
 AUTOSCALE_POLL_SECONDS = 2.0
+# How often the KV-transfer monitor reads each disaggregated DynamoWorker's pods.
+KV_TRANSFER_POLL_SECONDS = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +188,29 @@ def register(registry: kopf.OperatorRegistry) -> None:
                 await stopped.wait(AUTOSCALE_POLL_SECONDS)
         finally:
             memo.services.autoscaler.forget(namespace, name)
+
+    @kopf.daemon(
+        *DW,
+        id="kv_transfer",
+        registry=registry,
+        when=lambda spec, **_: bool(spec.get("prefill")),
+        cancellation_timeout=5.0,
+    )
+    async def monitor_kv_transfer(
+        name: str,
+        namespace: str | None,
+        memo: OperatorContext,
+        stopped: kopf.DaemonStopped,
+        **kwargs: Any,
+    ) -> None:
+        namespace = namespace_of(namespace)
+        indices = Indices.of(kwargs)
+        try:
+            while not stopped:
+                await memo.services.kv_transfer.step(namespace, name, indices.pods(namespace, name))
+                await stopped.wait(KV_TRANSFER_POLL_SECONDS)
+        finally:
+            memo.services.kv_transfer.forget(namespace, name)
 
     @kopf.on.event(*DW, id="dynamoworker_changed", registry=registry)
     async def dynamoworker_changed(

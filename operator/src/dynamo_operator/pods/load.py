@@ -1,7 +1,9 @@
-"""Reading a worker pod's load (and an activator's held requests) from its system port.
+"""Reading a worker pod's load and KV-transfer counters (and an activator's held requests)
+from its system port.
 
-The autoscaler's one input. Each read is `GET /metrics` on the pod's system server, parsed
-with prometheus-client's own parser, so what is read is exactly what Prometheus would scrape:
+The autoscaler's one input, and the KV-transfer monitor's. Each read is `GET /metrics` on the
+pod's system server, parsed with prometheus-client's own parser, so what is read is exactly
+what Prometheus would scrape:
 
 - `dynamo_component_inflight_requests`: requests in flight, queued in the engine included,
   summed over the pod's endpoints and models;
@@ -9,6 +11,9 @@ with prometheus-client's own parser, so what is read is exactly what Prometheus 
   data-parallel rank (averaged, as a percent of the pod's blocks);
 - `dynamo_worker_time_to_first_token_seconds`: the histogram's cumulative buckets, so the
   caller can take a p90 over the time between two reads (`ttft_p90`);
+- on a disaggregated worker's pods, vLLM's NixlConnector counters (`KvTransferCounts`):
+  `vllm:nixl_xfer_time_seconds` (its count: pulls), `vllm:nixl_bytes_transferred` (its sum),
+  `vllm:nixl_num_failed_transfers` and `vllm:nixl_num_kv_expired_reqs`, summed over ranks;
 - on an activator: `dynamo_activator_held_requests` and `dynamo_activator_card_ready`.
 
 Reads share one bounded concurrency and each has a timeout, so a thousand pods cost at most
@@ -36,8 +41,26 @@ KV_USAGE = "dynamo_component_gpu_cache_usage_percent"
 TTFT = "dynamo_worker_time_to_first_token_seconds"
 HELD = "dynamo_activator_held_requests"
 CARD_READY = "dynamo_activator_card_ready"
+# vLLM's NixlConnector counters, by the sample that carries each (`KvTransferCounts` field).
+KV_TRANSFER_SAMPLES = {
+    "vllm:nixl_xfer_time_seconds_count": "transfers",
+    "vllm:nixl_bytes_transferred_sum": "bytes_transferred",
+    "vllm:nixl_num_failed_transfers_total": "failed_transfers",
+    "vllm:nixl_num_kv_expired_reqs_total": "expired_requests",
+}
 # Cumulative bucket counts by upper bound (seconds; +Inf last).
 Buckets = tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class KvTransferCounts:
+    """A pod's KV-cache transfer counters since it started (all 0 without vLLM's
+    NixlConnector)."""
+
+    transfers: float = 0.0
+    bytes_transferred: float = 0.0
+    failed_transfers: float = 0.0
+    expired_requests: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +70,7 @@ class PodReading:
     in_flight: float = 0.0
     kv_cache_percent: float | None = None
     ttft_buckets: Buckets = ()
+    kv_transfer: KvTransferCounts = KvTransferCounts()
 
 
 @dataclass(frozen=True)
@@ -62,6 +86,7 @@ def parse_pod(text: str) -> PodReading:
     in_flight = 0.0
     usages: list[float] = []
     buckets: dict[float, float] = {}
+    transfer: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == IN_FLIGHT:
@@ -71,8 +96,11 @@ def parse_pod(text: str) -> PodReading:
             elif sample.name == TTFT + "_bucket":
                 bound = float(sample.labels["le"])
                 buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            elif sample.name in KV_TRANSFER_SAMPLES:
+                counter = KV_TRANSFER_SAMPLES[sample.name]
+                transfer[counter] = transfer.get(counter, 0.0) + sample.value
     kv = 100.0 * sum(usages) / len(usages) if usages else None
-    return PodReading(in_flight, kv, tuple(sorted(buckets.items())))
+    return PodReading(in_flight, kv, tuple(sorted(buckets.items())), KvTransferCounts(**transfer))
 
 
 def parse_activator(text: str) -> ActivatorReading:

@@ -48,9 +48,13 @@ SHM_PATH = "/dev/shm"
 RUN_AS_USER = 10001
 RUN_AS_GROUP = 10001
 
-# Probe timings: upstream's worker defaults. The startup probe allows 720 x 10 s = 2 h for
-# model and adapter loading before the liveness probe takes over.
-LIVENESS = {"periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 1}
+# Probe timings: upstream's worker defaults, but for liveness's failure threshold. The startup
+# probe allows 720 x 10 s = 2 h for model and adapter loading before the liveness probe takes
+# over. Upstream restarts a worker on one liveness answer slower than 4 s; a busy CPU host (two
+# vLLM engines and their NIXL threads on 2 cores) missed one now and then, and the restart
+# killed requests and the KV blocks a decode pod was about to pull. Three in a row (15 s) still
+# catches a hung worker, and readiness takes a slow one out of routing sooner.
+LIVENESS = {"periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 3}
 READINESS = {"periodSeconds": 10, "timeoutSeconds": 4, "failureThreshold": 3}
 STARTUP = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 720}
 STARTUP_BUDGET_SECONDS = STARTUP["periodSeconds"] * STARTUP["failureThreshold"]

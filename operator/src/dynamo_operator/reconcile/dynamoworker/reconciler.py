@@ -24,7 +24,7 @@ from dynamo_operator.api.autoscaling import AutoscalingStatus
 from dynamo_operator.api.common import Condition
 from dynamo_operator.api.conditions import merge_conditions
 from dynamo_operator.api.conditions import now as utc_now
-from dynamo_operator.api.dynamoworker import PREFILL, DynamoWorker, DynamoWorkerStatus
+from dynamo_operator.api.dynamoworker import DECODE, PREFILL, DynamoWorker, DynamoWorkerStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import ApiError, Cluster
@@ -34,6 +34,7 @@ from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
 from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter, wanted_condition
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
 from dynamo_operator.reconcile.dynamoworker.disaggregation import roles
+from dynamo_operator.reconcile.dynamoworker.kv_transfer import KvTransferView
 from dynamo_operator.reconcile.dynamoworker.labels import (
     activator_name,
     deployment_name,
@@ -160,8 +161,9 @@ class WorkerReconciler:
 
     `settings` holds the operator's defaults; whether the PodMonitor CRD exists is re-checked
     at most every `CRD_CHECK_INTERVAL_SECONDS`. `taints` may be None (no pushes).
-    `autoscaling(namespace, name)` is the autoscaler's view for status.autoscaling (None:
-    keep what status shows).
+    `autoscaling(namespace, name)` is the autoscaler's view for status.autoscaling, and
+    `kv_transfer(namespace, name)` the KV-transfer monitor's per role (None: keep what status
+    shows).
     """
 
     cluster: Cluster
@@ -170,6 +172,7 @@ class WorkerReconciler:
     reporting_instance: str = "dynamo-operator"
     clock: Callable[[], datetime] = utc_now
     autoscaling: Callable[[str, str], AutoscalingStatus | None] = lambda namespace, name: None
+    kv_transfer: Callable[[str, str], KvTransferView | None] = lambda namespace, name: None
     _crd_checked_at: float = field(default=float("-inf"), init=False)
     _status: StatusWriter = field(init=False)
     _events: EventRecorder = field(init=False)
@@ -307,6 +310,7 @@ class WorkerReconciler:
             ),
             model_cache=cache,
             autoscaling=self._autoscaling_view(dw),
+            kv_transfer=self._kv_transfer_view(dw),
         )
         outcome = await self._write_status(dw, meta, raw_status, observed, applied=applied)
         if transient:
@@ -323,6 +327,18 @@ class WorkerReconciler:
         if view is None and dw.status is not None:
             return dw.status.autoscaling
         return view
+
+    def _kv_transfer_view(self, dw: DynamoWorker) -> KvTransferView | None:
+        """The KV-transfer monitor's latest view, else what status shows (a new leader's
+        monitor has not read the pods yet)."""
+        view = self.kv_transfer(dw.metadata.namespace or "", dw.metadata.name or "")
+        status = dw.status
+        if view is not None or status is None:
+            return view
+        shown = {DECODE: status.kv_transfer}
+        if status.prefill is not None:
+            shown[PREFILL] = status.prefill.kv_transfer
+        return {role: s for role, s in shown.items() if s is not None}
 
     async def _model_cache(
         self, dw: DynamoWorker, settings: ReconcileSettings, index: ChildIndex | None

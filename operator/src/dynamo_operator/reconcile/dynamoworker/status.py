@@ -7,8 +7,9 @@ Conditions, per the Kubernetes API conventions:
 - `Progressing`: a worker Deployment (the prefill one too) is being created, rolled or scaled
   (False with `RolloutComplete` once every pod runs the current spec and is ready).
 - `Degraded`: something needs a person: a child the API server refused, pods that cannot be
-  scheduled, pull their image, start, or keep running, a stalled rollout, taints a pod would
-  not take, a PodMonitor asked for without its CRD. False with `AsExpected` otherwise.
+  scheduled, pull their image, start, or keep running, a stalled rollout, KV-cache transfers
+  failing between the roles, taints a pod would not take, a PodMonitor asked for without its
+  CRD. False with `AsExpected` otherwise.
 
 Messages say what is wrong and which field or command fixes it. The same observation always
 yields the same status (sorted lists, no timestamps but the conditions' transition times, which
@@ -26,6 +27,7 @@ from dynamo_operator.api.autoscaling import AutoscalingStatus
 from dynamo_operator.api.common import ConditionType
 from dynamo_operator.api.conditions import WantedCondition, apply_conditions, name_list
 from dynamo_operator.api.dynamoworker import (
+    DECODE,
     MAX_STATUS_PODS,
     PREFILL,
     DynamoWorker,
@@ -35,7 +37,9 @@ from dynamo_operator.api.dynamoworker import (
     PrefillStatus,
     PublishedTokenBudget,
     WorkerPodStatus,
+    WorkerRole,
 )
+from dynamo_operator.api.kv_transfer import FAILURE_WINDOW_SECONDS, KvTransferStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.reconcile.dynamoworker.frontend import frontend_url
 from dynamo_operator.reconcile.dynamoworker.labels import (
@@ -60,7 +64,8 @@ class WorkerObservation:
     PodMonitor is asked for and its CRD is missing. `spec_error` is set when the spec cannot
     be turned into children (its message names the field). `model_cache` is the fill of the
     current source when spec.model.cache is set. `autoscaling` is the autoscaler's view
-    (status.autoscaling) when spec.autoscaling is set.
+    (status.autoscaling) when spec.autoscaling is set. `kv_transfer` is the KV-transfer
+    monitor's view per role when spec.prefill is set.
     """
 
     now: datetime
@@ -75,6 +80,7 @@ class WorkerObservation:
     spec_error: str | None = None
     model_cache: CacheState | None = None
     autoscaling: AutoscalingStatus | None = None
+    kv_transfer: Mapping[WorkerRole, KvTransferStatus] | None = None
 
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
@@ -362,6 +368,27 @@ def _frontend_trouble(deployment: Mapping[str, Any] | None) -> str | None:
     )
 
 
+def _kv_transfer_trouble(view: Mapping[WorkerRole, KvTransferStatus] | None) -> str | None:
+    """What fails in the KV-cache hand-over between the roles, if a role is Failing."""
+    failing = {role: s for role, s in (view or {}).items() if s.health == "Failing"}
+    if not failing:
+        return None
+    decode, prefill = failing.get(DECODE), failing.get(PREFILL)
+    seen = []
+    if decode is not None:
+        seen.append(f"decode pods count {decode.failed_transfers} failed transfers")
+    if prefill is not None:
+        seen.append(
+            f"prefill pods count {prefill.failed_transfers} failed transfers and "
+            f"{prefill.expired_requests} requests whose blocks expired unpulled"
+        )
+    return (
+        f"KV-cache transfers between the roles failed in the last {FAILURE_WINDOW_SECONDS} s: "
+        f"{'; '.join(seen)}; see status.kvTransfer and status.prefill.kvTransfer, and check "
+        "that the NIXL side-channel and UCX ports are open between the roles' pods"
+    )
+
+
 def _degraded(observed: WorkerObservation, pods: Sequence[PodSummary]) -> WantedCondition:
     t = ConditionType.DEGRADED
     if observed.spec_error is not None:
@@ -391,6 +418,9 @@ def _degraded(observed: WorkerObservation, pods: Sequence[PodSummary]) -> Wanted
     frontend_trouble = _frontend_trouble(observed.frontend_deployment)
     if frontend_trouble is not None:
         return WantedCondition(t, "True", "FrontendFailing", frontend_trouble)
+    kv_trouble = _kv_transfer_trouble(observed.kv_transfer)
+    if kv_trouble is not None:
+        return WantedCondition(t, "True", "KvTransferFailing", kv_trouble)
     if observed.taint_failures:
         names = sorted(observed.taint_failures)
         return WantedCondition(
@@ -453,6 +483,7 @@ def compute_status(dw: DynamoWorker, observed: WorkerObservation) -> dict[str, A
         pods=[_pod_status(p, observed.metadata.get(p.name)) for p in pods],
         frontend=_frontend_status(dw, observed) if frontend is not None else None,
         prefill=_prefill_status(observed) if prefill is not None else None,
+        kv_transfer=(observed.kv_transfer or {}).get(DECODE) if prefill is not None else None,
         model_cache=(
             ModelCacheStatus(
                 key=cache.key,
@@ -484,6 +515,7 @@ def _prefill_status(observed: WorkerObservation) -> PrefillStatus:
         replicas=min(total, MAX_STATUS_PODS),
         ready_replicas=min(ready, MAX_STATUS_PODS),
         updated_replicas=min(updated, MAX_STATUS_PODS),
+        kv_transfer=(observed.kv_transfer or {}).get(PREFILL),
     )
 
 

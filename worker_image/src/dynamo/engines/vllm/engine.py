@@ -23,7 +23,8 @@ model taints, per-rank metrics and verified LoRA state.
   `kv_transfer_params` asking vLLM to keep its blocks for a remote decode, and its output
   hands vLLM's answer (where the blocks are) to the frontend as `disaggregated_params`; a
   decode request passes the `kv_transfer_params` of its `prefill_result` to vLLM, which
-  pulls the blocks before it generates. A cancelled request on either side is aborted in
+  pulls the blocks before it generates (one without a `prefill_result` is prefilled on the
+  decode worker, as upstream's vLLM worker does). A cancelled request on either side is aborted in
   vLLM, which frees its blocks (a prefill's held blocks too).
 * Metrics: our stat logger per rank (`stats.RankStats`) feeds the load snapshots and the
   forward-pass metrics; vLLM's own Prometheus metrics (`vllm:*`) join our `/metrics`.
@@ -55,9 +56,9 @@ from dynamo.common.backend import (
     WorkerConfig,
 )
 from dynamo.common.backend.disagg import (
+    extract_prefill_result,
     prefill_only,
     received_kv_transfer_params,
-    require_prefill_result,
     with_prefill_usage,
 )
 from dynamo.common.backend.health_check import is_probe
@@ -451,9 +452,14 @@ class VllmEngine(LoRAHostEngine):
             kv_transfer_params = _PREFILL_KV_TRANSFER_PARAMS
             state.hands_over = True
         elif mode is DisaggregationMode.DECODE and not is_probe(request):
-            state.prefill_result = require_prefill_result(request, mode)
-            kv_transfer_params = received_kv_transfer_params(state.prefill_result)
-            logger.debug("%s pulls its KV cache with %s", state.request_id, kv_transfer_params)
+            state.prefill_result = extract_prefill_result(request)
+            if state.prefill_result is None:
+                # The frontend routed around prefill (no prefill worker paired yet): prefill
+                # here, as upstream's vLLM decode worker does, rather than fail the request.
+                logger.info("%s came without a prefill result: prefilled here", state.request_id)
+            else:
+                kv_transfer_params = received_kv_transfer_params(state.prefill_result)
+                logger.debug("%s pulls its KV cache with %s", state.request_id, kv_transfer_params)
         kwargs = sampling_kwargs(request, self._context_length - len(prompt))
         if kv_transfer_params is not None:
             kwargs["extra_args"] = {KV_TRANSFER_PARAMS: dict(kv_transfer_params)}
