@@ -124,8 +124,8 @@ async def test_prefill_on_one_worker_decode_on_the_other(
     assert received >= 2 * BLOCK
     assert await metric_sum(decode, "vllm:nixl_bytes_transferred_sum") > 0
 
-    # Asked directly, without a prefill result (a frontend that has yet to pair the roles
-    # routes so), the decode worker prefills the prompt itself, as upstream's does.
+    # Asked directly, without a prefill result, the decode worker prefills the prompt itself,
+    # as upstream's does.
     alone = await complete(workers["decode"].url, prompt, 12)
     assert alone["choices"][0]["text"] == expected, fleet.logs()
     assert (

@@ -24,8 +24,8 @@ model taints, per-rank metrics and verified LoRA state.
   hands vLLM's answer (where the blocks are) to the frontend as `disaggregated_params`; a
   decode request passes the `kv_transfer_params` of its `prefill_result` to vLLM, which
   pulls the blocks before it generates (one without a `prefill_result` is prefilled on the
-  decode worker, as upstream's vLLM worker does). A cancelled request on either side is aborted in
-  vLLM, which frees its blocks (a prefill's held blocks too).
+  decode worker, as upstream's vLLM worker does). A cancelled request on either side is
+  aborted in vLLM, which frees its blocks (a prefill's held blocks too).
 * Metrics: our stat logger per rank (`stats.RankStats`) feeds the load snapshots and the
   forward-pass metrics; vLLM's own Prometheus metrics (`vllm:*`) join our `/metrics`.
 
@@ -454,8 +454,8 @@ class VllmEngine(LoRAHostEngine):
         elif mode is DisaggregationMode.DECODE and not is_probe(request):
             state.prefill_result = extract_prefill_result(request)
             if state.prefill_result is None:
-                # The frontend routed around prefill (no prefill worker paired yet): prefill
-                # here, as upstream's vLLM decode worker does, rather than fail the request.
+                # Not routed through a prefill worker (sent to this worker directly, say):
+                # prefill here, as upstream's vLLM decode worker does, rather than fail it.
                 logger.info("%s came without a prefill result: prefilled here", state.request_id)
             else:
                 kv_transfer_params = received_kv_transfer_params(state.prefill_result)
