@@ -283,16 +283,6 @@ async def test_a_decode_pod_stopped_during_four_streams_completes_them(bed: Bed)
         assert_stream_completed(status, events, DRAIN_TOKENS)
 
 
-async def _print_logs(bed: Bed, testbed: Cluster) -> None:
-    """The logs of the namespace's pods (the frontend's, both roles'), for a failed request."""
-    listing = await bed.core.list_namespaced_pod(bed.namespace)
-    logs = Path(testbed.kubeconfig).parent / "pods"
-    for pod in listing.items:
-        log = logs / pod.metadata.uid / "main.log"
-        if log.exists():
-            print(f"--- {pod.metadata.name}\n{log.read_text(errors='replace')[-20000:]}")
-
-
 @needs_cores
 async def test_a_prefill_pod_killed_before_its_cache_is_pulled_fails_the_request_only(
     bed: Bed, testbed: Cluster
@@ -345,3 +335,13 @@ async def test_a_prefill_pod_killed_before_its_cache_is_pulled_fails_the_request
 async def _running_and_usage(ip: str) -> tuple[float, float]:
     running = await worker_metric(ip, "vllm:num_requests_running")
     return running, await worker_metric(ip, "vllm:kv_cache_usage_perc")
+
+
+async def _print_logs(bed: Bed, testbed: Cluster) -> None:
+    """The logs of the namespace's pods (the frontend's, both roles'), for a failed request."""
+    listing = await bed.core.list_namespaced_pod(bed.namespace)
+    logs = Path(testbed.kubeconfig).parent / "pods"
+    for pod in listing.items:
+        log = logs / pod.metadata.uid / "main.log"
+        if log.exists():
+            print(f"--- {pod.metadata.name}\n{log.read_text(errors='replace')[-20000:]}")
