@@ -92,13 +92,15 @@ class Bed(OperatorNamespace):
         return 0.0
 
     async def at_zero(self) -> bool:
-        """No worker pod, and the activator stands in: the Service's ready address is its."""
+        """No worker pod, and the activator stands in: the Service's one ready address is its.
+        (Any ready address is not enough: the EndpointSlice controller drops a deleted pod's
+        address a moment after the pod is gone, before the activator steps in.)"""
         worker = await self.worker()
-        return (
-            worker["spec"]["replicas"] == 0
-            and not await self.worker_pods()
-            and bool(await self.service_addresses())
-        )
+        if worker["spec"]["replicas"] != 0 or await self.worker_pods():
+            return False
+        activators = await self.pods(f"dynamo.dev/activator={WORKER}")
+        ips = [pod.status.pod_ip for pod in activators if pod.status.pod_ip]
+        return len(ips) == 1 and await self.service_addresses() == ips
 
     async def reasons(self) -> list[str]:
         listed = await self.core.list_namespaced_event(

@@ -195,3 +195,29 @@ async def test_a_role_without_a_ready_pod_is_unknown(served: tuple[Pods, LoadRea
     assert view is not None
     assert (view[DECODE].health, view[PREFILL].health) == ("Healthy", "Unknown")
     assert view[PREFILL].pods_read == 0
+
+
+async def test_a_pod_unreadable_at_the_first_step_is_taken_as_it_is_when_first_read(
+    served: tuple[Pods, LoadReader],
+) -> None:
+    pods, reader = served
+    now = [T0]
+    monitor = KvTransferMonitor(reader, clock=lambda: now[0])
+    workers = [pod("d1", DECODE), pod("p1", PREFILL)]
+    pods.texts = {"p1": nixl_metrics()}  # d1 does not answer yet
+    await monitor.step("ns", "llm", workers)
+    # d1 answers with a failure from before the monitor looked: counted, not flagged.
+    now[0] = T0 + timedelta(seconds=10)
+    pods.texts["d1"] = nixl_metrics((100,), failed=1)
+    await monitor.step("ns", "llm", workers)
+    view = monitor.view("ns", "llm")
+    assert view is not None
+    assert (view[DECODE].health, view[DECODE].failed_transfers) == ("Healthy", 1)
+    # A failure after that first read is news; so is one on a pod that came later.
+    now[0] = T0 + timedelta(seconds=20)
+    pods.texts["d1"] = nixl_metrics((100,), failed=2)
+    pods.texts["p2"] = nixl_metrics(expired=1)
+    await monitor.step("ns", "llm", [*workers, pod("p2", PREFILL)])
+    view = monitor.view("ns", "llm")
+    assert view is not None
+    assert (view[DECODE].health, view[PREFILL].health) == ("Failing", "Failing")

@@ -4,8 +4,8 @@ Runs in the leading operator replica, every few seconds per DynamoWorker with sp
 (`handlers.dynamoworker`'s kv_transfer daemon). One step reads the vLLM NixlConnector counters
 of both roles' ready pods through the shared `LoadReader`, sums them per role, and notes when
 a failed transfer or an expired request appeared since the previous step (per pod, so a pod
-that restarted counts from zero again; the first step after the operator starts only takes the
-counters as they are).
+that restarted counts from zero again; the counters of a pod that was already there when the
+monitor first looked are taken as they are, whenever it first reads them).
 
 What status shows (`status.kvTransfer`, `status.prefill.kvTransfer`) is kept here, in memory,
 and written by the reconciler (the one writer of status) when `on_change` wakes it: at once
@@ -75,6 +75,8 @@ class _Tracked:
     """What the monitor keeps of one DynamoWorker between steps."""
 
     counts: dict[str, KvTransferCounts] = field(default_factory=dict)  # per pod uid
+    # Pods there at the first step, not read since: what they counted before is no news.
+    unread_since_start: set[str] = field(default_factory=set)
     last_failure: dict[WorkerRole, datetime] = field(default_factory=dict)
     view: KvTransferView | None = None
     shown: KvTransferView | None = None  # the view `on_change` last woke the reconciler for
@@ -104,8 +106,11 @@ class KvTransferMonitor:
         ready = [p for p in pods if p.ready and not p.terminating and p.ip and p.role]
         answers = await asyncio.gather(*(self.reader.pod(p.ip or "") for p in ready))
         now = self.clock()
-        first = (namespace, name) not in self._tracked
-        tracked = self._tracked.setdefault((namespace, name), _Tracked())
+        tracked = self._tracked.get((namespace, name))
+        if tracked is None:
+            tracked = self._tracked[namespace, name] = _Tracked(
+                unread_since_start={p.uid for p in pods}
+            )
         counts: dict[str, KvTransferCounts] = {}
         by_role: dict[WorkerRole, list[KvTransferCounts]] = {PREFILL: [], DECODE: []}
         for pod, reading in zip(ready, answers, strict=True):
@@ -113,7 +118,9 @@ class KvTransferMonitor:
                 continue  # unreadable: left out, not counted as healthy
             counts[pod.uid] = reading.kv_transfer
             by_role[pod.role].append(reading.kv_transfer)
-            if not first and new_failures(tracked.counts.get(pod.uid), reading.kv_transfer):
+            if pod.uid in tracked.unread_since_start:
+                tracked.unread_since_start.discard(pod.uid)
+            elif new_failures(tracked.counts.get(pod.uid), reading.kv_transfer):
                 tracked.last_failure[pod.role] = now
                 logger.warning(
                     "DynamoWorker %s/%s: KV-cache transfer failures on %s pod %s",
@@ -125,6 +132,7 @@ class KvTransferMonitor:
         # A pod not read this time keeps its last counters, so a missed read is no restart.
         alive = {p.uid for p in pods}
         tracked.counts = {uid: c for uid, c in tracked.counts.items() if uid in alive} | counts
+        tracked.unread_since_start &= alive
         tracked.view = {
             role: role_status(readings, tracked.last_failure.get(role), now)
             for role, readings in by_role.items()
