@@ -44,7 +44,7 @@ from support.operator_namespace import (
 )
 from support.testbed_workers import service_addresses
 from support.tiny_model import TinyModel
-from support.upstream import upstream_python
+from support.upstream import listed_models, upstream_python
 
 pytestmark = pytest.mark.e2e
 
@@ -161,18 +161,13 @@ async def frontend_base(bed: Bed) -> str:
     return f"http://{service.spec.cluster_ip}:8000/v1"
 
 
-async def models(base: str) -> list[str]:
-    async with aiohttp.ClientSession() as session, session.get(base + "/models") as response:
-        return [m["id"] for m in (await response.json(content_type=None)).get("data", [])]
-
-
 async def longest_unlisted(base: str, done: asyncio.Event) -> float:
     """Reads the model list at `base` every 0.1 s until `done`; the longest stretch of seconds
     in which it lacked the served model."""
     longest, since = 0.0, None
     while not done.is_set():
         try:
-            listed = SERVED in await models(base)
+            listed = SERVED in await listed_models(base)
         except aiohttp.ClientError:
             listed = False
         now = time.monotonic()
@@ -188,7 +183,10 @@ async def longest_unlisted(base: str, done: asyncio.Event) -> float:
 async def listed_at_zero(bed: Bed, frontend: str) -> None:
     """Until upstream's frontend lists the model again, the activator's card now."""
     await bed.eventually(
-        "listed by the frontend at zero", lambda: models(frontend), 30, lambda ids: SERVED in ids
+        "listed by the frontend at zero",
+        lambda: listed_models(frontend),
+        30,
+        lambda ids: SERVED in ids,
     )
 
 
@@ -209,14 +207,14 @@ async def test_idle_goes_to_zero_and_the_model_stays_listed(bed: Bed) -> None:
     await bed.create("loraadapters", adapter)
     await bed.eventually(
         "the adapter served",
-        lambda: models(f"http://{pod_ip}:8000/v1"),
+        lambda: listed_models(f"http://{pod_ip}:8000/v1"),
         60,
         lambda ids: ADAPTER in ids,
     )
     REFERENCE[ADAPTER] = await chat(f"http://{pod_ip}:8000/v1", ADAPTER)
     frontend = await frontend_base(bed)
     await bed.eventually(
-        "listed by the frontend", lambda: models(frontend), 120, lambda ids: SERVED in ids
+        "listed by the frontend", lambda: listed_models(frontend), 120, lambda ids: SERVED in ids
     )
     # Upstream's frontend tokenizes and detokenizes itself: its own answer is the reference.
     REFERENCE["frontend"] = await chat(frontend)
@@ -247,7 +245,7 @@ async def test_idle_goes_to_zero_and_the_model_stays_listed(bed: Bed) -> None:
         "the activator stands in", bed.service_addresses, 30, lambda a: len(a) == 1
     )
     assert addresses == [activator.status.pod_ip]
-    listed = await models(f"http://{addresses[0]}:8000/v1")
+    listed = await listed_models(f"http://{addresses[0]}:8000/v1")
     assert SERVED in listed
 
 

@@ -154,7 +154,7 @@ async def bed(
                         "region": "us-east-1",
                     }
                 },
-                "pod": ON_PROCESS_NODE,
+                "pod": {**ON_PROCESS_NODE, "env": vllm.pod_env({})},
                 "frontend": {
                     "image": FRONTEND_IMAGE,
                     "command": [str(frontend_python), "-m", "dynamo.frontend"],

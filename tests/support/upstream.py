@@ -324,3 +324,9 @@ def assert_stream_completed(status: int, events: list[Any], tokens: int) -> None
     usage = [e["usage"] for e in events[:-1] if e.get("usage")]
     assert usage, events[-3:]
     assert usage[-1]["completion_tokens"] == tokens, events[-3:]
+
+
+async def listed_models(base: str) -> list[str]:
+    """The model names an OpenAI server at `base` (ending in /v1) lists."""
+    async with aiohttp.ClientSession() as session, session.get(base + "/models") as response:
+        return [m["id"] for m in (await response.json(content_type=None)).get("data", [])]

@@ -178,6 +178,13 @@ CPU_SHARING_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PA
 # operator derives from spec.tokenBudget.combinedLimit (extraArgs may not repeat it).
 CPU_EXTRA_ARGS = CPU_ENGINE_ARGS[: CPU_ENGINE_ARGS.index("--max-model-len")]
 CPU_CONTEXT = int(CPU_ENGINE_ARGS[CPU_ENGINE_ARGS.index("--max-model-len") + 1])
+# torch's inductor cache: vllm-cpu compiles its sampler on first use, which the worker does
+# before it is ready (half a minute to two per process on 2 cores when cold). One directory for
+# every vLLM process the tests start, on loopback and in test-bed pods (whose /tmp, inductor's
+# default place, is each pod's own), so the first compile serves the rest.
+COMPILE_CACHE_ENV = {
+    "TORCHINDUCTOR_CACHE_DIR": str(Path.home() / ".cache" / "dynamo-testbed" / "torchinductor")
+}
 
 
 @dataclass(frozen=True)
@@ -207,7 +214,7 @@ def _venv_env(first: str, extra: dict[str, str]) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
     paths = [first, extra.pop("PYTHONPATH", ""), env.get("PYTHONPATH", "")]
     pythonpath = os.pathsep.join(path for path in paths if path)
-    return {**env, "PYTHONUNBUFFERED": "1", **extra, "PYTHONPATH": pythonpath}
+    return {**env, "PYTHONUNBUFFERED": "1", **COMPILE_CACHE_ENV, **extra, "PYTHONPATH": pythonpath}
 
 
 def start_our_worker(
@@ -342,3 +349,8 @@ async def start_behind_frontend(
     await asyncio.gather(wait_ready(our_worker), wait_ready(their_worker))
     await fleet.wait_models(ours, theirs, within=120)
     return frontend
+
+
+def pod_env(variables: dict[str, str]) -> list[dict[str, str]]:
+    """`variables` as a test-bed pod's env list, with the shared compile cache."""
+    return [{"name": k, "value": v} for k, v in {**COMPILE_CACHE_ENV, **variables}.items()]

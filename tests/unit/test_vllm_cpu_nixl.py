@@ -1,0 +1,66 @@
+"""Our vLLM plugin (`dynamo.engines.vllm.cpu_nixl`, a `vllm.general_plugins` entry point): on
+vLLM's CPU platform, the threads of the NIXL agent vLLM's NixlConnector makes (its busy UCX
+progress thread among them) run at the lowest CPU priority, and still poll.
+
+Run in vLLM's venv (`hack/vllm-venv` installs the project, so its entry point, there): vLLM's
+own plugin loader loads the plugin, and the connector's own config and agent classes make the
+agent. The baseline is the same agent made in a process where vLLM loaded no plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support import vllm
+
+pytestmark = pytest.mark.unit
+
+# Makes an agent as vLLM's connector makes it (after vLLM loaded its plugins, or not) and
+# prints the nice value of each thread it started, and the CPU seconds the process used while
+# the agent sat idle for a second.
+IDLE_AGENT = """
+import json, os, sys, time
+if sys.argv[1] == "plugins":
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+before = set(os.listdir("/proc/self/task"))
+agent = base_worker.NixlWrapper("idle", base_worker.nixl_agent_config(num_threads=2))
+started = set(os.listdir("/proc/self/task")) - before
+stats = [open(f"/proc/self/task/{t}/stat").read() for t in started]
+nice = [int(stat.rsplit(")", 1)[1].split()[16]) for stat in stats]
+cpu = time.process_time()
+time.sleep(1.0)
+print("RESULT " + json.dumps({"nice": nice, "idle_cpu": time.process_time() - cpu}))
+"""
+
+
+def idle_agent(python: Path, mode: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [str(python), "-c", IDLE_AGENT, mode],
+        env=vllm.vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    found: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return found
+
+
+def test_the_connectors_nixl_threads_run_at_the_lowest_priority_on_cpu() -> None:
+    python = vllm.vllm_python_or_skip()
+    plain = idle_agent(python, "no-plugins")
+    ours = idle_agent(python, "plugins")
+    assert plain["nice"], "the agent started no thread"
+    assert set(plain["nice"]) == {0}, plain
+    assert set(ours["nice"]) == {19}, ours
+    # Still polling as NIXL intends (a core's worth while nothing else wants it).
+    assert ours["idle_cpu"] > 0.5, ours

@@ -1,0 +1,79 @@
+"""A vLLM general plugin: on the CPU platform, NIXL's threads yield the cores to the engines.
+
+vLLM loads the `vllm.general_plugins` entry points in every process it starts (the engine core
+and each worker), and its NixlConnector makes its NIXL agent in those processes, which our
+worker process cannot reach otherwise.
+
+Why: NIXL's Python API (1.4 and 1.5) starts each agent's UCX progress thread with no pause
+between polls (fixed, with no setting), so every worker with a NixlConnector keeps one core
+busy even when idle. On a GPU node that is one core of many; on a CPU node it is what the
+engines need. With a prefill and a decode worker on 2 cores, the two busy threads starved the
+decode worker's request handling until upstream's frontend gave the request up (its request
+plane waits 5 s for the worker to answer).
+
+The threads the agent starts get the lowest CPU priority (nice 19): they still poll whenever
+a core is free, so transfers progress as NIXL intends, but a thread that wants a core gets
+nearly all of it (the scheduler weighs a nice-19 thread at about 1/70 of a normal one). Two
+other fixes stalled transfers between test-bed pods: no progress thread
+(a prefill engine with nothing to step must still answer the decode side's reads, which UCX
+over TCP serves in software), and a pause between polls (the first read between two pods then
+waited about 30 s). Other platforms are left as vLLM configures them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The lowest priority of the normal scheduler.
+NIXL_THREAD_NICE = 19
+_TASKS = "/proc/self/task"
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        yield_to_engines(NIXL_THREAD_NICE)
+
+
+def yield_to_engines(nice: int) -> None:
+    """Give the threads of every NIXL agent this process makes from now on the CPU priority
+    `nice` (idempotent; nothing without NIXL)."""
+    # Through vLLM's own loader, which sets UCX's environment before NIXL is first imported.
+    import vllm.distributed.nixl_utils as nixl_utils
+
+    if not nixl_utils.is_nixl_available():
+        return
+    agent_class: Any = nixl_utils.NixlWrapper
+    if getattr(agent_class.__init__, "_yields_to_engines", False):
+        return
+    agent_class.__init__ = _niced_threads(agent_class.__init__, nice)
+    logger.debug("NIXL on the CPU platform: its agents' threads run at nice %d", nice)
+
+
+def _niced_threads(init: Callable[..., None], nice: int) -> Callable[..., None]:
+    @functools.wraps(init)
+    def wrapper(agent: Any, *args: Any, **kwargs: Any) -> None:
+        before = _thread_ids()
+        init(agent, *args, **kwargs)
+        for tid in _thread_ids() - before:
+            # Linux applies a thread id's priority to that thread alone (one that already
+            # ended is gone).
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+    wrapper._yields_to_engines = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir(_TASKS)} if sys.platform == "linux" else set()
