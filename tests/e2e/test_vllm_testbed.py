@@ -154,7 +154,7 @@ async def bed(
                         "region": "us-east-1",
                     }
                 },
-                "pod": {**ON_PROCESS_NODE, "env": vllm.pod_env({})},
+                "pod": ON_PROCESS_NODE,
                 "frontend": {
                     "image": FRONTEND_IMAGE,
                     "command": [str(frontend_python), "-m", "dynamo.frontend"],
@@ -253,12 +253,17 @@ async def test_sigterm_during_five_streams_completes_all_five(bed: Bed) -> None:
     streams = [
         asyncio.create_task(post_sse(f"http://{ip}:8000/v1/completions", body)) for _ in range(5)
     ]
-    await bed.eventually(
-        "5 streams in flight",
-        lambda: worker_metric(ip, "dynamo_component_inflight_requests"),
-        30,
-        lambda count: count == 5,
-    )
+    try:
+        await bed.eventually(
+            "5 streams in flight",
+            lambda: worker_metric(ip, "dynamo_component_inflight_requests"),
+            30,
+            lambda count: count == 5,
+        )
+    except AssertionError as err:
+        # What the streams that already ended got (a refusal, a broken connection).
+        ended = [repr(s.exception() or s.result())[:300] for s in streams if s.done()]
+        raise AssertionError(f"{err}\nstreams ended: {ended}") from None
     # Deleting the pod makes the process node SIGTERM it, as a kubelet would.
     await bed.core.delete_namespaced_pod(victim.metadata.name, bed.namespace)
     assert not any(stream.done() for stream in streams)

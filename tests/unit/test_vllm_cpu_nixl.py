@@ -21,13 +21,14 @@ from support import vllm
 pytestmark = pytest.mark.unit
 
 # Makes an agent as vLLM's connector makes it (after vLLM loaded its plugins, or not) and
-# prints the nice value of each thread it started, and the CPU seconds the process used while
-# the agent sat idle for a second.
+# prints the nice value of each thread it started, the CPU seconds the process used while the
+# agent sat idle for a second, and whether NIXL was loaded before the connector's module.
 IDLE_AGENT = """
 import json, os, sys, time
 if sys.argv[1] == "plugins":
     from vllm.plugins import load_general_plugins
     load_general_plugins()
+loaded_early = any(name.startswith("nixl") for name in sys.modules)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
 before = set(os.listdir("/proc/self/task"))
@@ -37,7 +38,8 @@ stats = [open(f"/proc/self/task/{t}/stat").read() for t in started]
 nice = [int(stat.rsplit(")", 1)[1].split()[16]) for stat in stats]
 cpu = time.process_time()
 time.sleep(1.0)
-print("RESULT " + json.dumps({"nice": nice, "idle_cpu": time.process_time() - cpu}))
+idle_cpu = time.process_time() - cpu
+print("RESULT " + json.dumps({"nice": nice, "idle_cpu": idle_cpu, "loaded_early": loaded_early}))
 """
 
 
@@ -64,3 +66,5 @@ def test_the_connectors_nixl_threads_run_at_the_lowest_priority_on_cpu() -> None
     assert set(ours["nice"]) == {19}, ours
     # Still polling as NIXL intends (a core's worth while nothing else wants it).
     assert ours["idle_cpu"] > 0.5, ours
+    # The plugin alone loads no NIXL (nor UCX): only a KV connector that asks for it does.
+    assert ours["loaded_early"] is False

@@ -14,10 +14,10 @@ plane waits 5 s for the worker to answer).
 The threads the agent starts get the lowest CPU priority (nice 19): they still poll whenever
 a core is free, so transfers progress as NIXL intends, but a thread that wants a core gets
 nearly all of it (the scheduler weighs a nice-19 thread at about 1/70 of a normal one). Two
-other fixes stalled transfers between test-bed pods: no progress thread
-(a prefill engine with nothing to step must still answer the decode side's reads, which UCX
-over TCP serves in software), and a pause between polls (the first read between two pods then
-waited about 30 s). Other platforms are left as vLLM configures them.
+other fixes stalled transfers between test-bed pods: no progress thread (a prefill engine with
+nothing to step must still answer the decode side's reads, which UCX over TCP serves in
+software), and a pause between polls (the first read between two pods then waited about
+30 s). Other platforms are left as vLLM configures them.
 """
 
 from __future__ import annotations
@@ -47,13 +47,27 @@ def register() -> None:
 
 def yield_to_engines(nice: int) -> None:
     """Give the threads of every NIXL agent this process makes from now on the CPU priority
-    `nice` (idempotent; nothing without NIXL)."""
-    # Through vLLM's own loader, which sets UCX's environment before NIXL is first imported.
+    `nice` (idempotent). NIXL itself is left unloaded until vLLM's connector asks vLLM's
+    loader for it, so a worker without a KV connector never loads NIXL or UCX."""
     import vllm.distributed.nixl_utils as nixl_utils
 
-    if not nixl_utils.is_nixl_available():
+    load = nixl_utils.__getattr__  # vLLM's lazy loader (a module __getattr__)
+    if getattr(load, "_yields_to_engines", False):
         return
-    agent_class: Any = nixl_utils.NixlWrapper
+
+    @functools.wraps(load)
+    def load_niced(name: str) -> Any:
+        found = load(name)
+        if name == "NixlWrapper" and found is not None:
+            _nice_new_threads(found, nice)
+        return found
+
+    load_niced._yields_to_engines = True  # type: ignore[attr-defined]
+    nixl_utils.__getattr__ = load_niced
+
+
+def _nice_new_threads(agent_class: Any, nice: int) -> None:
+    """Wrap NIXL's agent constructor so that the threads it starts get `nice` (once)."""
     if getattr(agent_class.__init__, "_yields_to_engines", False):
         return
     agent_class.__init__ = _niced_threads(agent_class.__init__, nice)
