@@ -43,10 +43,10 @@ SERVED = "tiny-llama"
 BLOCK = 32
 ENGINE_ARGS = (*vllm.CPU_ENGINE_ARGS, "--block-size", str(BLOCK))
 ROLE_CONFIG = {"prefill": "kv_producer", "decode": "kv_consumer"}
-# UCX between the two workers as between two pods: TCP. Pods share no memory, so UCX cannot
-# pick its shared-memory transports between them as it does between two processes of one
-# host (where a killed prefill worker crashed the decode worker's vLLM process: see the
-# guide's Limits).
+# UCX between the two workers as between two Kubernetes pods: TCP. Such pods have their own
+# IPC and PID namespaces, so UCX cannot use its shared-memory or CMA transports between them
+# as it does between two processes of one host (where a killed prefill worker crashed the
+# decode worker's vLLM process: see the guide's Limits).
 UCX_AS_BETWEEN_PODS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 

@@ -2,9 +2,10 @@
 operator (a subprocess) runs one prefill pod and one decode pod of `dynamo-worker --engine
 vllm` on the process node (each in its own network namespace, behind the NetworkPolicies the
 operator made), serving the head_dim-64 tiny Llama on the CPU; vLLM's NixlConnector moves each
-prompt's KV cache from the prefill pod to the decode pod (NIXL over UCX, TCP between the
-pods), and upstream Dynamo's frontend (1.6.1, `hack/oracle-venv`, Kubernetes discovery) pairs
-the two roles.
+prompt's KV cache from the prefill pod to the decode pod (NIXL over UCX: the process node's
+pods share the host's PID namespace, so UCX reads the blocks by CMA, process_vm_readv, and
+sends its messages over TCP), and upstream Dynamo's frontend (1.6.1, `hack/oracle-venv`,
+Kubernetes discovery) pairs the two roles.
 
 The references are an aggregated vLLM worker's texts of the same model, without and with a
 LoRA adapter, on loopback, run first and stopped (vLLM starts cost about a minute of both
@@ -374,7 +375,7 @@ async def test_a_prefill_pod_killed_before_its_cache_is_pulled_fails_the_request
     assert found["status"]["kvTransfer"]["health"] == "Failing"
     # Not checked: the pair serving again once the prefill container restarted. The decode
     # pod's first pull from the new engine (same address, a new NIXL agent) stalled in 1 of 2
-    # runs (vLLM 0.31's NixlConnector, UCX over TCP); see the guide's Limits.
+    # runs (vLLM 0.31's NixlConnector); see the guide's Limits.
 
 
 async def _running_and_usage(ip: str) -> tuple[float, float]:

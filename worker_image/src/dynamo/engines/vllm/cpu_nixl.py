@@ -13,11 +13,11 @@ plane waits 5 s for the worker to answer).
 
 The threads the agent starts get the lowest CPU priority (nice 19): they still poll whenever
 a core is free, so transfers progress as NIXL intends, but a thread that wants a core gets
-nearly all of it (the scheduler weighs a nice-19 thread at about 1/70 of a normal one). Two
-other fixes stalled transfers between test-bed pods: no progress thread (a prefill engine with
-nothing to step must still answer the decode side's reads, which UCX over TCP serves in
-software), and a pause between polls (the first read between two pods then waited about
-30 s). Other platforms are left as vLLM configures them.
+nearly all of it (the scheduler weighs a nice-19 thread at about 1/70 of a normal one of the
+same pod; the kernel shares the CPU between pods first). Two other fixes stalled transfers
+between test-bed pods: no progress thread (a prefill engine with nothing to step must still
+progress UCX for the decode side's pulls), and a pause between polls (the first read between
+two pods then waited about 30 s). Other platforms are left as vLLM configures them.
 """
 
 from __future__ import annotations
