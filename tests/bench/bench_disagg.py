@@ -74,7 +74,7 @@ from support.operator_namespace import (
     operator_namespace,
 )
 from support.stream_timing import StreamTiming, timed_stream
-from support.testbed_workers import worker_metric, worker_pods
+from support.testbed_workers import frontend_log, worker_metric, worker_pods
 from support.tiny_model import TINY_MODEL_SEED, load_generator
 from support.upstream import (
     PREFILL_ROUTER_ACTIVATED,
@@ -93,6 +93,7 @@ pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800)]
 __all__ = ["upstream_fleet"]
 
 SERVED = "tiny-llama"
+WORKER = "pair"
 BLOCK = 32
 ENGINE_ARGS = (*vllm.CPU_ENGINE_ARGS, "--block-size", str(BLOCK))
 # A DynamoWorker's (its tokenBudget sets the context).
@@ -321,27 +322,31 @@ async def test_disaggregated_against_aggregated(
     )
 
 
-def worker_body(name: str, model: Path, frontend_python: Path, **spec: Any) -> dict[str, Any]:
-    """A vLLM DynamoWorker on the process node with upstream's frontend; `spec` adds to it."""
+def disaggregated_worker(model: Path, frontend_python: Path) -> dict[str, Any]:
+    """A vLLM DynamoWorker of one prefill pod and one decode pod on the process node, with
+    upstream's frontend."""
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "DynamoWorker",
-        "metadata": {"name": name},
+        "metadata": {"name": WORKER},
         "spec": {
             "model": {"name": SERVED, "source": str(model)},
             # The process node runs this image's command in vLLM's venv.
             "image": VLLM_WORKER_IMAGE,
+            "replicas": 1,
+            "prefill": {"replicas": 1},
             "engine": {"name": "vllm", "extraArgs": list(POD_ENGINE_ARGS)},
             "resources": {"gpusPerPod": 1},
             "tokenBudget": {"combinedLimit": vllm.CPU_CONTEXT},
-            # Nothing is in flight when a worker is deleted: no wait before it stops.
+            # Both roles' pods share the process node's cores.
+            "pod": {**ON_PROCESS_NODE, "env": vllm.pod_env(vllm.CPU_SHARING_ENV)},
+            # Nothing is in flight when the pods are deleted: no wait before they stop.
             "drain": {"gracePeriodSeconds": 0},
             "frontend": {
                 "image": FRONTEND_IMAGE,
                 "command": [str(frontend_python), "-m", "dynamo.frontend"],
                 "pod": ON_PROCESS_NODE,
             },
-            **spec,
         },
     }
 
@@ -366,15 +371,6 @@ async def serving(space: OperatorNamespace, body: dict[str, Any]) -> str:
         lambda models: SERVED in models,
     )  # fmt: skip
     return url
-
-
-async def frontend_log(space: OperatorNamespace, name: str) -> str:
-    listing = await space.core.list_namespaced_pod(
-        space.namespace, label_selector=f"dynamo.dev/frontend={name}"
-    )
-    logs = [await space.core.read_namespaced_pod_log(p.metadata.name, space.namespace)
-            for p in listing.items if p.status.phase == "Running"]  # fmt: skip
-    return "\n".join(logs)
 
 
 @contextmanager
@@ -421,18 +417,14 @@ async def test_kv_transfer_between_two_pods(
     async with operator_namespace(api, testbed, "b-disagg", log_dir) as space:
         model = space.shared / "model"
         await asyncio.to_thread(load_generator().write_tiny_model, model, TINY_MODEL_SEED, 64)
-        body = worker_body(
-            "pair", model / "base", frontend_python, replicas=1, prefill={"replicas": 1},
-            pod={**ON_PROCESS_NODE, "env": vllm.pod_env(vllm.CPU_SHARING_ENV)},
-        )  # fmt: skip
-        url = await serving(space, body)
+        url = await serving(space, disaggregated_worker(model / "base", frontend_python))
         await space.eventually(
-            "the frontend routing through prefill", lambda: frontend_log(space, "pair"), 120,
+            "the frontend routing through prefill", lambda: frontend_log(space, WORKER), 120,
             lambda log: PREFILL_ROUTER_ACTIVATED in log,
         )  # fmt: skip
-        [decode] = await worker_pods(space, "pair")
+        [decode] = await worker_pods(space, WORKER)
         listing = await space.core.list_namespaced_pod(
-            space.namespace, label_selector="dynamo.dev/prefill=pair"
+            space.namespace, label_selector=f"dynamo.dev/prefill={WORKER}"
         )
         [prefill] = listing.items
         await overhead(url)  # warm-up: the first transfers set up NIXL's connections

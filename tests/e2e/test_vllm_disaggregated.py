@@ -214,6 +214,9 @@ async def test_prefill_on_one_worker_decode_on_the_other(
     fleet.processes.append(workers["prefill"].process)
     await vllm.wait_ready(workers["prefill"])
     prefill = workers["prefill"].system_url
+    received = await metric_sum(
+        decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
     # The frontend may still route to the killed worker until its record expires (10 s).
     deadline = time.monotonic() + 60
     while await metric_sum(prefill, "dynamo_component_requests_total") == 0:
@@ -221,8 +224,16 @@ async def test_prefill_on_one_worker_decode_on_the_other(
         try:
             answer = await complete(fleet.frontend_url, prompt, 12)
         except AssertionError:
+            await asyncio.sleep(0.5)
             continue
         assert answer["choices"][0]["text"] == expected, fleet.logs()
+    # The decode worker pulled from the new engine (the blocks it did not cache itself).
+    assert (
+        await metric_sum(
+            decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        > received
+    )
 
     # SIGTERM to the prefill worker while the decode worker has yet to pull a request's blocks
     # (it is frozen): the prefill worker's drain waits for the pull, then exits.

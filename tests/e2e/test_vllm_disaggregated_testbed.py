@@ -50,6 +50,7 @@ from support.operator_namespace import (
     operator_namespace,
 )
 from support.testbed_workers import (
+    frontend_log,
     requests_served,
     signal_pod,
     worker_metric,
@@ -115,14 +116,6 @@ class Bed(OperatorNamespace):
             self.namespace, label_selector=f"dynamo.dev/prefill={WORKER}"
         )
         return [p for p in listing.items if p.metadata.deletion_timestamp is None]
-
-    async def frontend_log(self) -> str:
-        listing = await self.core.list_namespaced_pod(
-            self.namespace, label_selector=f"dynamo.dev/frontend={WORKER}"
-        )
-        logs = [await self.core.read_namespaced_pod_log(p.metadata.name, self.namespace)
-                for p in listing.items if p.status.phase == "Running"]  # fmt: skip
-        return "\n".join(logs)
 
     async def frontend_url(self) -> str:
         service = await self.core.read_namespaced_service(FRONTEND, self.namespace)
@@ -239,7 +232,7 @@ async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
     # The frontend pairs the roles once it has seen both in discovery.
     await bed.eventually(
         "the frontend routing through prefill",
-        bed.frontend_log,
+        lambda: frontend_log(bed, WORKER),
         120,
         lambda log: PREFILL_ROUTER_ACTIVATED in log,
     )

@@ -115,6 +115,16 @@ async def wait_kv_subscriptions(
     )
 
 
+async def frontend_log(space: OperatorNamespace, worker: str) -> str:
+    """The log of the DynamoWorker's running frontend pods (upstream's frontend)."""
+    listing = await space.core.list_namespaced_pod(
+        space.namespace, label_selector=f"dynamo.dev/frontend={worker}"
+    )
+    logs = [await space.core.read_namespaced_pod_log(p.metadata.name, space.namespace)
+            for p in listing.items if p.status.phase == "Running"]  # fmt: skip
+    return "\n".join(logs)
+
+
 async def generate_on(ip: str, token_ids: list[int]) -> None:
     """One request to a worker's own HTTP route (it caches the prompt's KV blocks)."""
     body = {"token_ids": token_ids, "stop_conditions": {"max_tokens": 1}}
