@@ -39,6 +39,7 @@ from support.operator_namespace import (
 )
 from support.s3 import S3Server, testbed_s3_server
 from support.testbed_workers import (
+    engine_frozen,
     kv_event_endpoints,
     kv_routes,
     wait_kv_subscriptions,
@@ -154,7 +155,7 @@ async def bed(
                         "region": "us-east-1",
                     }
                 },
-                "pod": ON_PROCESS_NODE,
+                "pod": {**ON_PROCESS_NODE, "env": vllm.pod_env({})},
                 "frontend": {
                     "image": FRONTEND_IMAGE,
                     "command": [str(frontend_python), "-m", "dynamo.frontend"],
@@ -250,22 +251,32 @@ async def test_sigterm_during_five_streams_completes_all_five(bed: Bed) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    streams = [
-        asyncio.create_task(post_sse(f"http://{ip}:8000/v1/completions", body)) for _ in range(5)
-    ]
-    try:
+    # The engine is frozen until the worker is draining the 5 streams: they are then in
+    # flight when the SIGTERM comes, however fast the engine decodes.
+    with engine_frozen(victim):
+        streams = [
+            asyncio.create_task(post_sse(f"http://{ip}:8000/v1/completions", body))
+            for _ in range(5)
+        ]
+        try:
+            await bed.eventually(
+                "5 streams in flight",
+                lambda: worker_metric(ip, "dynamo_component_inflight_requests"),
+                30,
+                lambda count: count == 5,
+            )
+        except AssertionError as err:
+            # What the streams that already ended got (a refusal, a broken connection).
+            ended = [repr(s.exception() or s.result())[:300] for s in streams if s.done()]
+            raise AssertionError(f"{err}\nstreams ended: {ended}") from None
+        # Deleting the pod makes the process node SIGTERM it, as a kubelet would.
+        await bed.core.delete_namespaced_pod(victim.metadata.name, bed.namespace)
         await bed.eventually(
-            "5 streams in flight",
-            lambda: worker_metric(ip, "dynamo_component_inflight_requests"),
-            30,
-            lambda count: count == 5,
+            "the pod draining 5",
+            lambda: bed.core.read_namespaced_pod_log(victim.metadata.name, bed.namespace),
+            60,
+            lambda log: "draining 5 in-flight request(s)" in log,
         )
-    except AssertionError as err:
-        # What the streams that already ended got (a refusal, a broken connection).
-        ended = [repr(s.exception() or s.result())[:300] for s in streams if s.done()]
-        raise AssertionError(f"{err}\nstreams ended: {ended}") from None
-    # Deleting the pod makes the process node SIGTERM it, as a kubelet would.
-    await bed.core.delete_namespaced_pod(victim.metadata.name, bed.namespace)
     assert not any(stream.done() for stream in streams)
     for status, events in await asyncio.gather(*streams):
         assert_stream_completed(status, events, DRAIN_TOKENS)

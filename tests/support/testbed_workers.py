@@ -7,15 +7,18 @@ each pod cached through its own route, and what the worker Service resolves to."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -173,6 +176,24 @@ def signal_pod(pod: Any, signum: int) -> None:
     """Send `signum` to every process of a process-node pod."""
     for pid in worker_pids(pod):
         os.kill(pid, signum)
+
+
+@contextlib.contextmanager
+def engine_frozen(pod: Any) -> Iterator[None]:
+    """A process-node pod's engine processes stopped (SIGSTOP), and resumed on exit. The pod's
+    first process, the worker's own, runs on: it takes requests, answers /metrics and, told to
+    stop, drains. Requests it took stay in flight until the engine resumes, however fast the
+    engine would have served them."""
+    pids = worker_pids(pod)
+    engine = [pid for pid in pids if psutil.Process(pid).ppid() in pids]
+    for pid in engine:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 async def wait_restarted(

@@ -1,6 +1,6 @@
 """Our vLLM plugin (`dynamo.engines.vllm.cpu_nixl`, a `vllm.general_plugins` entry point): on
 vLLM's CPU platform, the threads of the NIXL agent vLLM's NixlConnector makes (its busy UCX
-progress thread among them) run at the lowest CPU priority, and still poll.
+progress thread among them) run under SCHED_IDLE, and still poll.
 
 Run in vLLM's venv (`hack/vllm-venv` installs the project, so its entry point, there): vLLM's
 own plugin loader loads the plugin, and the connector's own config and agent classes make the
@@ -10,6 +10,7 @@ agent. The baseline is the same agent made in a process where vLLM loaded no plu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from support import vllm
 pytestmark = pytest.mark.unit
 
 # Makes an agent as vLLM's connector makes it (after vLLM loaded its plugins, or not) and
-# prints the nice value of each thread it started, the CPU seconds the process used while the
-# agent sat idle for a second, and whether NIXL was loaded before the connector's module.
+# prints the scheduling policy of each thread it started, the CPU seconds the process used
+# while the agent sat idle for a second, and whether NIXL was loaded before the connector's
+# module.
 IDLE_AGENT = """
 import json, os, sys, time
 if sys.argv[1] == "plugins":
@@ -34,12 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 before = set(os.listdir("/proc/self/task"))
 agent = base_worker.NixlWrapper("idle", base_worker.nixl_agent_config(num_threads=2))
 started = set(os.listdir("/proc/self/task")) - before
-stats = [open(f"/proc/self/task/{t}/stat").read() for t in started]
-nice = [int(stat.rsplit(")", 1)[1].split()[16]) for stat in stats]
+policies = [os.sched_getscheduler(int(t)) for t in started]
 cpu = time.process_time()
 time.sleep(1.0)
 idle_cpu = time.process_time() - cpu
-print("RESULT " + json.dumps({"nice": nice, "idle_cpu": idle_cpu, "loaded_early": loaded_early}))
+found = {"policies": policies, "idle_cpu": idle_cpu, "loaded_early": loaded_early}
+print("RESULT " + json.dumps(found))
 """
 
 
@@ -57,13 +59,13 @@ def idle_agent(python: Path, mode: str) -> dict[str, Any]:
     return found
 
 
-def test_the_connectors_nixl_threads_run_at_the_lowest_priority_on_cpu() -> None:
+def test_the_connectors_nixl_threads_run_under_sched_idle_on_cpu() -> None:
     python = vllm.vllm_python_or_skip()
     plain = idle_agent(python, "no-plugins")
     ours = idle_agent(python, "plugins")
-    assert plain["nice"], "the agent started no thread"
-    assert set(plain["nice"]) == {0}, plain
-    assert set(ours["nice"]) == {19}, ours
+    assert plain["policies"], "the agent started no thread"
+    assert set(plain["policies"]) == {os.SCHED_OTHER}, plain
+    assert set(ours["policies"]) == {os.SCHED_IDLE}, ours
     # Still polling as NIXL intends (a core's worth while nothing else wants it).
     assert ours["idle_cpu"] > 0.5, ours
     # The plugin alone loads no NIXL (nor UCX): only a KV connector that asks for it does.

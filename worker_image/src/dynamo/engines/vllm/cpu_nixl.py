@@ -11,13 +11,15 @@ engines need. With a prefill and a decode worker on 2 cores, the two busy thread
 decode worker's request handling until upstream's frontend gave the request up (its request
 plane waits 5 s for the worker to answer).
 
-The threads the agent starts get the lowest CPU priority (nice 19): they still poll whenever
-a core is free, so transfers progress as NIXL intends, but a thread that wants a core gets
-nearly all of it (the scheduler weighs a nice-19 thread at about 1/70 of a normal one of the
-same pod; the kernel shares the CPU between pods first). Two other fixes stalled transfers
-between test-bed pods: no progress thread (a prefill engine with nothing to step must still
-progress UCX for the decode side's pulls), and a pause between polls (the first read between
-two pods then waited about 30 s). Other platforms are left as vLLM configures them.
+The threads the agent starts run under SCHED_IDLE, the kernel's policy for work that should
+use only a core nothing else wants: they still poll whenever a core is free, so transfers
+progress as NIXL intends, and any other thread that wakes takes the core at once. Nice 19 was
+not enough: it ranks a thread only against the threads of its own scheduling group (a pod's
+cgroup on a node; its session when the kernel groups sessions), so each pod's NIXL thread
+still got its pod's full share of the cores against the other pods. Two other fixes stalled
+transfers between test-bed pods: no progress thread (a prefill engine with nothing to step must
+still progress UCX for the decode side's pulls), and a pause between polls (the first read
+between two pods then waited about 30 s). Other platforms are left as vLLM configures them.
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# The lowest priority of the normal scheduler.
-NIXL_THREAD_NICE = 19
 _TASKS = "/proc/self/task"
 
 
@@ -42,12 +42,12 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        yield_to_engines(NIXL_THREAD_NICE)
+        yield_to_engines()
 
 
-def yield_to_engines(nice: int) -> None:
-    """Give the threads of every NIXL agent this process makes from now on the CPU priority
-    `nice` (idempotent). NIXL itself is left unloaded until vLLM's connector asks vLLM's
+def yield_to_engines() -> None:
+    """Run the threads of every NIXL agent this process makes from now on under SCHED_IDLE
+    (idempotent). NIXL itself is left unloaded until vLLM's connector asks vLLM's
     loader for it, so a worker without a KV connector never loads NIXL or UCX."""
     import vllm.distributed.nixl_utils as nixl_utils
 
@@ -56,34 +56,35 @@ def yield_to_engines(nice: int) -> None:
         return
 
     @functools.wraps(load)
-    def load_niced(name: str) -> Any:
+    def load_idled(name: str) -> Any:
         found = load(name)
         if name == "NixlWrapper" and found is not None:
-            _nice_new_threads(found, nice)
+            _idle_new_threads(found)
         return found
 
-    load_niced._yields_to_engines = True  # type: ignore[attr-defined]
-    nixl_utils.__getattr__ = load_niced
+    load_idled._yields_to_engines = True  # type: ignore[attr-defined]
+    nixl_utils.__getattr__ = load_idled
 
 
-def _nice_new_threads(agent_class: Any, nice: int) -> None:
-    """Wrap NIXL's agent constructor so that the threads it starts get `nice` (once)."""
+def _idle_new_threads(agent_class: Any) -> None:
+    """Wrap NIXL's agent constructor so that the threads it starts run under SCHED_IDLE
+    (once)."""
     if getattr(agent_class.__init__, "_yields_to_engines", False):
         return
-    agent_class.__init__ = _niced_threads(agent_class.__init__, nice)
-    logger.debug("NIXL on the CPU platform: its agents' threads run at nice %d", nice)
+    agent_class.__init__ = _idle_threads(agent_class.__init__)
+    logger.debug("NIXL on the CPU platform: its agents' threads run under SCHED_IDLE")
 
 
-def _niced_threads(init: Callable[..., None], nice: int) -> Callable[..., None]:
+def _idle_threads(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def wrapper(agent: Any, *args: Any, **kwargs: Any) -> None:
         before = _thread_ids()
         init(agent, *args, **kwargs)
         for tid in _thread_ids() - before:
-            # Linux applies a thread id's priority to that thread alone (one that already
-            # ended is gone).
+            # Linux applies a thread id's policy to that thread alone (one that already ended
+            # is gone).
             with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
 
     wrapper._yields_to_engines = True  # type: ignore[attr-defined]
     return wrapper
