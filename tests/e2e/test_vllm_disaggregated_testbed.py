@@ -50,6 +50,7 @@ from support.operator_namespace import (
     operator_namespace,
 )
 from support.testbed_workers import (
+    delete_while_in_flight,
     engine_frozen,
     frontend_log,
     requests_served,
@@ -308,20 +309,7 @@ async def test_a_decode_pod_stopped_during_four_streams_completes_them(bed: Bed)
     # well within the 30 s the prefill pod holds each request's blocks for the pull.
     with engine_frozen(decode):
         streams = [asyncio.create_task(post_sse(url, body)) for _ in range(4)]
-        await bed.eventually(
-            "4 streams in flight on the decode pod",
-            lambda: worker_metric(decode.status.pod_ip, "dynamo_component_inflight_requests"),
-            60,
-            lambda count: count == 4,
-        )
-        # Deleting the pod makes the process node SIGTERM it, as a kubelet would.
-        await bed.core.delete_namespaced_pod(decode.metadata.name, bed.namespace)
-        await bed.eventually(
-            "the decode pod draining 4",
-            lambda: bed.core.read_namespaced_pod_log(decode.metadata.name, bed.namespace),
-            60,
-            lambda log: "draining 4 in-flight request(s)" in log,
-        )
+        await delete_while_in_flight(bed, decode, 4)
     assert not any(stream.done() for stream in streams)
     for status, events in await asyncio.gather(*streams):
         assert_stream_completed(status, events, DRAIN_TOKENS)

@@ -39,11 +39,11 @@ from support.operator_namespace import (
 )
 from support.s3 import S3Server, testbed_s3_server
 from support.testbed_workers import (
+    delete_while_in_flight,
     engine_frozen,
     kv_event_endpoints,
     kv_routes,
     wait_kv_subscriptions,
-    worker_metric,
     worker_pods,
 )
 from support.tiny_model import TINY_MODEL_SEED, load_generator
@@ -259,24 +259,11 @@ async def test_sigterm_during_five_streams_completes_all_five(bed: Bed) -> None:
             for _ in range(5)
         ]
         try:
-            await bed.eventually(
-                "5 streams in flight",
-                lambda: worker_metric(ip, "dynamo_component_inflight_requests"),
-                30,
-                lambda count: count == 5,
-            )
+            await delete_while_in_flight(bed, victim, 5)
         except AssertionError as err:
             # What the streams that already ended got (a refusal, a broken connection).
             ended = [repr(s.exception() or s.result())[:300] for s in streams if s.done()]
             raise AssertionError(f"{err}\nstreams ended: {ended}") from None
-        # Deleting the pod makes the process node SIGTERM it, as a kubelet would.
-        await bed.core.delete_namespaced_pod(victim.metadata.name, bed.namespace)
-        await bed.eventually(
-            "the pod draining 5",
-            lambda: bed.core.read_namespaced_pod_log(victim.metadata.name, bed.namespace),
-            60,
-            lambda log: "draining 5 in-flight request(s)" in log,
-        )
     assert not any(stream.done() for stream in streams)
     for status, events in await asyncio.gather(*streams):
         assert_stream_completed(status, events, DRAIN_TOKENS)

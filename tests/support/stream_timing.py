@@ -1,4 +1,4 @@
-"""One streamed OpenAI completion, timed as a client sees it: when the first text arrived,
+"""One streamed OpenAI completion, timed as a client sees it: when the first token arrived,
 the gaps between texts, and the completion tokens the final usage reports (the benchmarks)."""
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ async def timed_stream(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> StreamTiming:
     """POST `body` (a streamed completion that asks for usage) to `url`/v1/completions; fails
-    on a non-200 answer or a stream without text."""
+    on a non-200 answer or a stream without a token.
+
+    The first token counts from the first chunk with a choice, text or not: a token the
+    detokenizer holds back (part of a UTF-8 character) streams with empty text, and a
+    one-token completion may stream no text at all. Gaps are between chunks with text."""
     started = time.perf_counter()
+    first: float | None = None
     arrivals: list[float] = []
     tokens = 0
     async with session.post(url + "/v1/completions", json=body) as response:
@@ -36,8 +41,12 @@ async def timed_stream(
             event = json.loads(line[len("data:") :])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-    assert arrivals, f"{url}: no text streamed"
+            if event.get("choices"):
+                now = time.perf_counter()
+                first = first or now
+                if event["choices"][0].get("text"):
+                    arrivals.append(now)
+    assert first is not None, f"{url}: no choice streamed"
+    assert tokens, f"{url}: no token streamed (usage: 0 completion tokens)"
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    return StreamTiming(arrivals[0] - started, gaps, tokens)
+    return StreamTiming(first - started, gaps, tokens)

@@ -196,6 +196,25 @@ def engine_frozen(pod: Any) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
+async def delete_while_in_flight(space: OperatorNamespace, pod: Any, count: int) -> None:
+    """Wait until `count` requests are in flight on `pod`, delete it (the process node then
+    SIGTERMs it, as a kubelet would) and wait until its worker drains those `count`."""
+    name = pod.metadata.name
+    await space.eventually(
+        f"{count} requests in flight on {name}",
+        lambda: worker_metric(pod.status.pod_ip, "dynamo_component_inflight_requests"),
+        60,
+        lambda found: found == count,
+    )
+    await space.core.delete_namespaced_pod(name, space.namespace)
+    await space.eventually(
+        f"{name} draining {count}",
+        lambda: space.core.read_namespaced_pod_log(name, space.namespace),
+        60,
+        lambda log: f"draining {count} in-flight request(s)" in log,
+    )
+
+
 async def wait_restarted(
     space: OperatorNamespace,
     pod: Any,
