@@ -12,8 +12,9 @@ LoRA adapter, on loopback, run first and stopped (vLLM starts cost about a minut
 cores each). Then, on one DynamoWorker, in order: both roles become Ready with their own
 flags; a greedy prompt longer than two KV blocks gives the reference's text, served by the
 prefill pod and received over KV transfer on the decode pod, and the operator's status counts
-the transfer; a LoRAAdapter loads on both roles' pods (its status names each pod's role) and
-its request gives the reference's adapter text; the decode pod, deleted during 4 streams,
+the transfer (each role Failing exactly when its pod counted a failure); a LoRAAdapter loads
+on both roles' pods (its status names each pod's role) and its request gives the reference's
+adapter text; the decode pod, deleted during 4 streams,
 completes all 4; the prefill pod, SIGKILLed after it answered and before the decode pod pulled
 the blocks, fails that request only (500, the decode pod's slot and blocks freed), and the
 failed pull turns the worker Degraded. Skipped without vLLM's or upstream's venv; the last
@@ -224,9 +225,7 @@ async def test_both_roles_become_ready_with_their_flags(bed: Bed) -> None:
         assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
 
 
-async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
-    bed: Bed, testbed: Cluster
-) -> None:
+async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(bed: Bed) -> None:
     await bed.eventually("Ready", bed.worker, 600, ready)
     [decode] = await worker_pods(bed, WORKER)
     [prefill] = await bed.prefill_pods()
@@ -239,29 +238,48 @@ async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
         lambda log: PREFILL_ROUTER_ACTIVATED in log,
     )
     served_before = await requests_served(prefill.status.pod_ip)
-    try:
-        text = await completion(url, SERVED)
-    except AssertionError:
-        await _print_logs(bed, testbed)
-        raise
-    assert text == bed.expected[SERVED]
+    # The pair's first request makes the decode pod's NIXL handshake with the prefill pod. On
+    # 2 cores the first one or two requests failed in 2 of 3 runs (a 500 naming the KV cache:
+    # the handshake missed vLLM's fixed 5 s deadline, or the prefill pod's blocks expired
+    # unpulled; see the guide's Limits). Such a request is sent again; the status must then
+    # say Failing for the role that counted it, as below.
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    _, answer = await bed.eventually(
+        "the pair serving",
+        lambda: post_json(url + "/v1/completions", body),
+        120,
+        lambda found: found[0] == 200,
+    )
+    assert answer["choices"][0]["text"] == bed.expected[SERVED]
     # The transfer really happened (a skipped prefill would give the same text).
-    assert await requests_served(prefill.status.pod_ip) == served_before + 1
-    decode_ip = decode.status.pod_ip
+    assert await requests_served(prefill.status.pod_ip) > served_before
+    decode_ip, prefill_ip = decode.status.pod_ip, prefill.status.pod_ip
     received = "vllm:prompt_tokens_by_source_total"
     assert await worker_metric(decode_ip, received, source="external_kv_transfer") >= 2 * BLOCK
     assert await worker_metric(decode_ip, "vllm:nixl_bytes_transferred_sum") > 0
-    # The operator reads the same counters into each role's status.
-    found = await bed.eventually(
-        "the transfer in status",
-        bed.worker,
-        60,
-        lambda w: (w["status"].get("kvTransfer") or {}).get("transfers", 0) >= 1,
+
+    # The operator reads the same counters into each role's status: its health is Failing
+    # exactly when the role's pod counted a failed pull or an expired lease.
+    async def status_and_failures() -> tuple[dict[str, Any], float, float]:
+        return await bed.worker(), await _failures(decode_ip), await _failures(prefill_ip)
+
+    def agrees(found: tuple[dict[str, Any], float, float]) -> bool:
+        status, decode_failures, prefill_failures = found[0]["status"], found[1], found[2]
+        decode_kv = status.get("kvTransfer") or {}
+        prefill_kv = (status.get("prefill") or {}).get("kvTransfer") or {}
+        return (
+            decode_kv.get("transfers", 0) >= 1
+            and decode_kv.get("health") == ("Failing" if decode_failures else "Healthy")
+            and prefill_kv.get("health") == ("Failing" if prefill_failures else "Healthy")
+        )
+
+    found, decode_failures, prefill_failures = await bed.eventually(
+        "the transfers in status", status_and_failures, 60, agrees
     )
-    assert found["status"]["kvTransfer"]["health"] == "Healthy"
+    print(f"KV-transfer failures: decode {decode_failures}, prefill {prefill_failures}")
     assert found["status"]["kvTransfer"]["bytesTransferred"] > 0
-    assert found["status"]["prefill"]["kvTransfer"]["health"] == "Healthy"
-    assert condition(found, "Degraded")["status"] == "False"
+    degraded = "True" if decode_failures or prefill_failures else "False"
+    assert condition(found, "Degraded")["status"] == degraded
 
 
 async def test_an_adapter_loads_on_both_roles_and_is_prefilled_and_decoded_with(bed: Bed) -> None:
@@ -371,16 +389,12 @@ async def test_a_prefill_pod_killed_before_its_cache_is_pulled_fails_the_request
     # runs (vLLM 0.31's NixlConnector); see the guide's Limits.
 
 
+async def _failures(ip: str) -> float:
+    """What turns a role's KV-transfer health Failing, as the pod at `ip` counts it."""
+    failed = await worker_metric(ip, "vllm:nixl_num_failed_transfers_total")
+    return failed + await worker_metric(ip, "vllm:nixl_num_kv_expired_reqs_total")
+
+
 async def _running_and_usage(ip: str) -> tuple[float, float]:
     running = await worker_metric(ip, "vllm:num_requests_running")
     return running, await worker_metric(ip, "vllm:kv_cache_usage_perc")
-
-
-async def _print_logs(bed: Bed, testbed: Cluster) -> None:
-    """The logs of the namespace's pods (the frontend's, both roles'), for a failed request."""
-    listing = await bed.core.list_namespaced_pod(bed.namespace)
-    logs = Path(testbed.kubeconfig).parent / "pods"
-    for pod in listing.items:
-        log = logs / pod.metadata.uid / "main.log"
-        if log.exists():
-            print(f"--- {pod.metadata.name}\n{log.read_text(errors='replace')[-20000:]}")
