@@ -239,7 +239,7 @@ async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(bed: Bed) -> 
     )
     served_before = await requests_served(prefill.status.pod_ip)
     # The pair's first request makes the decode pod's NIXL handshake with the prefill pod. On
-    # 2 cores the first one or two requests failed in 2 of 3 runs (a 500 naming the KV cache:
+    # 2 cores the first one or two requests failed in 2 of 5 runs (a 500 naming the KV cache:
     # the handshake missed vLLM's fixed 5 s deadline, or the prefill pod's blocks expired
     # unpulled; see the guide's Limits). Such a request is sent again; the status must then
     # say Failing for the role that counted it, as below.
