@@ -5,6 +5,7 @@ import subprocess
 import pytest
 
 from support.cluster import api, cluster, namespace, testbed
+from support.images import images, node_images
 from support.loopback_http import closed_default_http_client
 from support.s3 import s3_server
 from support.tiny_model import tiny_model
@@ -13,7 +14,9 @@ __all__ = [
     "api",
     "closed_default_http_client",
     "cluster",
+    "images",
     "namespace",
+    "node_images",
     "s3_server",
     "testbed",
     "tiny_model",

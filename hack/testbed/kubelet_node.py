@@ -218,6 +218,8 @@ def start(layout: Layout, ports: Ports, bin_dir: Path) -> None:
     socket and the node's readiness are the caller's to await)."""
     paths = prepare(layout, ports, bin_dir)
     paths.bin_dir_file.write_text(str(bin_dir))
+    # A socket left by a killed containerd would pass the caller's wait for the new one.
+    paths.socket.unlink(missing_ok=True)
     _add_node_ip()
     created = [p for p in BOUND.values() if not Path(p).exists()]
     for mountpoint in created:
@@ -296,6 +298,7 @@ def import_images(layout: Layout, refs: list[str], docker: str) -> list[str]:
     for ref in refs:
         if _kubelet_name(ref) in present:
             continue
+        _check_room_for(ref, docker, paths.root)
         save = subprocess.Popen([docker, "save", ref], stdout=subprocess.PIPE)
         result = subprocess.run(
             [
@@ -318,7 +321,42 @@ def import_images(layout: Layout, refs: list[str], docker: str) -> list[str]:
         older = [p for p in present if p.rsplit(":", 1)[0] == repository]
         if older:
             ctr(paths, bin_dir, "images", "rm", *older)
+    _remove_unnamed_images(paths, bin_dir)
     return imported
+
+
+def _check_room_for(ref: str, docker: str, root: Path) -> None:
+    """Exit naming the shortfall unless the disk holds the image twice over: its layers
+    arrive whole before they are unpacked (a full disk mid-import says only "no space")."""
+    inspected = subprocess.run(
+        [docker, "image", "inspect", "--format", "{{.Size}}", ref],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if inspected.returncode != 0:
+        raise SystemExit(f"importing {ref} failed: {inspected.stderr.strip()}")
+    needed = 2 * int(inspected.stdout)
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise SystemExit(
+            f"importing {ref} needs about {needed / 2**30:.1f} GiB free on the disk of {root}, "
+            f"which has {free / 2**30:.1f} GiB: free some (docker's build cache, for one: "
+            "`docker builder prune`)"
+        )
+
+
+def _remove_unnamed_images(paths: NodePaths, bin_dir: Path) -> None:
+    """Remove the CRI's `sha256:<image id>` records of images no name points to any more.
+
+    The CRI adds such a record for each image it sees, and removing the image's name leaves
+    it: each older worker build then kept its 6 GiB of layers, until the disk filled."""
+    rows = [line.split() for line in ctr(paths, bin_dir, "images", "ls").splitlines()[1:]]
+    named = {row[2] for row in rows if not row[0].startswith("sha256:")}
+    unnamed = [row[0] for row in rows if row[0].startswith("sha256:") and row[2] not in named]
+    if unnamed:
+        # --sync: containerd's collector has freed the layers when this returns.
+        ctr(paths, bin_dir, "images", "rm", "--sync", *unnamed)
 
 
 def _kubelet_name(ref: str) -> str:

@@ -34,7 +34,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from support.cluster import Cluster, eventually
-from support.images import Images, images, node_images
+from support.images import Images
 from support.kubelet_release import (
     GROUP,
     ON_THE_NODE,
@@ -51,7 +51,6 @@ from support.tiny_model import TinyModel
 # kubernetes_asyncio would send a JSON patch for a dict body.
 MERGE_PATCH: dict[str, Any] = {"_content_type": "application/merge-patch+json"}
 pytestmark = [pytest.mark.bench, pytest.mark.e2e]
-__all__ = ["images", "node_images"]
 
 BUCKET, PREFIX = "models", "base"
 PADDING_BYTES = 500 * 1024 * 1024

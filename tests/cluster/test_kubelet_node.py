@@ -17,11 +17,10 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from support.cluster import REPO, Cluster, eventually
-from support.images import Images, images, node_images
+from support.images import Images
 from support.testbed_kubectl import kubectl
 
 pytestmark = pytest.mark.cluster
-__all__ = ["images", "node_images"]
 
 sys.path.insert(0, str(REPO / "hack"))
 from testbed import kubelet_node  # noqa: E402

@@ -23,7 +23,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from support.cluster import Cluster, eventually
-from support.images import Images, images, node_images
+from support.images import Images
 from support.kubelet_release import (
     GROUP,
     ON_THE_NODE,
@@ -43,7 +43,6 @@ from support.tiny_model import TinyModel
 from support.upstream import post_sse
 
 pytestmark = pytest.mark.e2e
-__all__ = ["images", "node_images"]
 
 WORKER = "tiny"
 FRONTEND = f"{WORKER}-frontend"

@@ -19,7 +19,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from support.cluster import Cluster, eventually
-from support.images import Images, images, node_images
+from support.images import Images
 from support.kubelet_release import (
     GROUP,
     ON_THE_NODE,
@@ -35,7 +35,6 @@ from support.testbed_workers import service_addresses
 from support.tiny_model import TinyModel
 
 pytestmark = pytest.mark.e2e
-__all__ = ["images", "node_images"]
 
 WORKER = "napping"
 SERVED = "tiny-napping"

@@ -21,12 +21,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from support.images import DOCKER, Images, docker, env_flags, images, label, run_args
+from support.images import DOCKER, Images, docker, env_flags, label, run_args
 from support.tiny_model import TinyModel
 from support.worker_process import LOOPBACK_ENV, WorkerProcess
 
 pytestmark = pytest.mark.images
-__all__ = ["images"]
 
 IMAGES = ("operator", "worker", "frontend")
 USAGE = {
