@@ -326,11 +326,30 @@ async def test_a_decode_pod_stopped_during_four_streams_completes_them(bed: Bed)
     # served all 4 within the second between two reads of the pod's metrics). A few seconds,
     # well within the 30 s the prefill pod holds each request's blocks for the pull.
     with engine_frozen(decode):
-        streams = [asyncio.create_task(post_sse(url, body)) for _ in range(4)]
+        streams = [await _started_stream(url, body) for _ in range(4)]
         await delete_while_in_flight(bed, decode, 4)
     assert not any(stream.done() for stream in streams)
     for status, events in await asyncio.gather(*streams):
         assert_stream_completed(status, events, DRAIN_TOKENS)
+
+
+async def _started_stream(url: str, body: dict[str, Any]) -> asyncio.Task[tuple[int, list[Any]]]:
+    """A streamed request once the decode worker has taken it: the frontend answers 200 only
+    after the worker's ACK. Once in CI the frontend gave up on that ACK at its 5 s deadline
+    (504, `TCP request timeout`), and the worker called home for the request only at that
+    moment, to be told the frontend no longer knew it: the request never reached the drain.
+    Such a request is sent again."""
+    for _ in range(3):
+        started = asyncio.Event()
+        stream = asyncio.create_task(post_sse(url, body, started))
+        begun = asyncio.create_task(started.wait())
+        await asyncio.wait([stream, begun], return_when=asyncio.FIRST_COMPLETED)
+        begun.cancel()
+        if started.is_set():
+            return stream
+        status, events = stream.result()
+        assert status == 504, (status, events)
+    raise AssertionError("the frontend gave up on 3 requests before the decode worker took them")
 
 
 @needs_cores

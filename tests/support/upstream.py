@@ -305,10 +305,15 @@ async def post_json(url: str, body: Any) -> tuple[int, Any]:
         return response.status, await response.json(content_type=None)
 
 
-async def post_sse(url: str, body: Any) -> tuple[int, list[Any]]:
-    """A streamed OpenAI request: the status and the `data:` events (`[DONE]` kept as text)."""
+async def post_sse(
+    url: str, body: Any, started: asyncio.Event | None = None
+) -> tuple[int, list[Any]]:
+    """A streamed OpenAI request: the status and the `data:` events (`[DONE]` kept as text);
+    `started` is set once a 200's headers arrived (the response stream has begun)."""
     events: list[Any] = []
     async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        if started is not None and response.status == 200:
+            started.set()
         async for raw in response.content:
             line = raw.decode().strip()
             if line.startswith("data:"):
