@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,33 @@ def test_the_connectors_nixl_threads_run_under_sched_idle_on_cpu() -> None:
     assert ours["idle_cpu"] > 0.5, ours
     # The plugin alone loads no NIXL (nor UCX): only a KV connector that asks for it does.
     assert ours["loaded_early"] is False
+
+
+def test_a_refused_policy_change_leaves_the_agent_working_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a seccomp profile forbids sched_setscheduler, the agent is still made (its
+    threads keep their policy) and the log says what that costs."""
+    from dynamo.engines.vllm import cpu_nixl
+
+    stop = threading.Event()
+    started: list[threading.Thread] = []
+
+    def agent_init(agent: object) -> None:
+        thread = threading.Thread(target=stop.wait)
+        thread.start()
+        started.append(thread)
+
+    def refuse(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    try:
+        cpu_nixl._idle_threads(agent_init)(object())
+    finally:
+        stop.set()
+        for thread in started:
+            thread.join()
+    assert len(started) == 1
+    assert "keeps its scheduling policy" in caplog.text
+    assert "competes with the engines" in caplog.text

@@ -24,7 +24,6 @@ between two pods then waited about 30 s). Other platforms are left as vLLM confi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -81,10 +80,20 @@ def _idle_threads(init: Callable[..., None]) -> Callable[..., None]:
         before = _thread_ids()
         init(agent, *args, **kwargs)
         for tid in _thread_ids() - before:
-            # Linux applies a thread id's policy to that thread alone (one that already ended
-            # is gone).
-            with contextlib.suppress(ProcessLookupError):
+            # Linux applies a thread id's policy to that thread alone.
+            try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:
+                pass  # it already ended
+            except PermissionError as exc:
+                # A seccomp profile stricter than the runtime's default can forbid the call:
+                # the transfers still work, the thread just competes with the engines.
+                logger.warning(
+                    "NIXL's thread %d keeps its scheduling policy (%s): on a CPU node it "
+                    "competes with the engines for the cores",
+                    tid,
+                    exc,
+                )
 
     wrapper._yields_to_engines = True  # type: ignore[attr-defined]
     return wrapper
