@@ -314,7 +314,11 @@ def import_images(layout: Layout, refs: list[str], docker: str) -> list[str]:
             check=False,
         )
         if save.wait() != 0 or result.returncode != 0:
-            raise SystemExit(f"importing {ref} failed: {result.stderr.decode()[-2000:]}")
+            free = shutil.disk_usage(paths.root).free / 2**30
+            raise SystemExit(
+                f"importing {ref} failed ({free:.1f} GiB free on the disk of {paths.root}): "
+                f"{result.stderr.decode()[-2000:]}"
+            )
         imported.append(ref)
         # Older builds of the same image go, as hack/build-images removes them from docker.
         repository = _kubelet_name(ref).rsplit(":", 1)[0]
@@ -326,8 +330,8 @@ def import_images(layout: Layout, refs: list[str], docker: str) -> list[str]:
 
 
 def _check_room_for(ref: str, docker: str, root: Path) -> None:
-    """Exit naming the shortfall unless the disk holds the image twice over: its layers
-    arrive whole before they are unpacked (a full disk mid-import says only "no space")."""
+    """Exit naming the shortfall unless the disk can hold the image: all its layers arrive
+    before any is unpacked, and a full disk mid-import says only "no space left"."""
     inspected = subprocess.run(
         [docker, "image", "inspect", "--format", "{{.Size}}", ref],
         capture_output=True,
@@ -336,11 +340,11 @@ def _check_room_for(ref: str, docker: str, root: Path) -> None:
     )
     if inspected.returncode != 0:
         raise SystemExit(f"importing {ref} failed: {inspected.stderr.strip()}")
-    needed = 2 * int(inspected.stdout)
+    needed = int(inspected.stdout)
     free = shutil.disk_usage(root).free
     if free < needed:
         raise SystemExit(
-            f"importing {ref} needs about {needed / 2**30:.1f} GiB free on the disk of {root}, "
+            f"importing {ref} needs at least {needed / 2**30:.1f} GiB free on the disk of {root}, "
             f"which has {free / 2**30:.1f} GiB: free some (docker's build cache, for one: "
             "`docker builder prune`)"
         )
