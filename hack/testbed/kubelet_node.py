@@ -330,8 +330,9 @@ def import_images(layout: Layout, refs: list[str], docker: str) -> list[str]:
 
 
 def _check_room_for(ref: str, docker: str, root: Path) -> None:
-    """Exit naming the shortfall unless the disk can hold the image: all its layers arrive
-    before any is unpacked, and a full disk mid-import says only "no space left"."""
+    """Exit naming the shortfall unless the disk can hold the image twice: all its layers
+    arrive before they are unpacked (measured here: the worker image's import took twice its
+    size at its peak), and a full disk mid-import says only "no space left"."""
     inspected = subprocess.run(
         [docker, "image", "inspect", "--format", "{{.Size}}", ref],
         capture_output=True,
@@ -340,11 +341,11 @@ def _check_room_for(ref: str, docker: str, root: Path) -> None:
     )
     if inspected.returncode != 0:
         raise SystemExit(f"importing {ref} failed: {inspected.stderr.strip()}")
-    needed = int(inspected.stdout)
+    needed = 2 * int(inspected.stdout)
     free = shutil.disk_usage(root).free
     if free < needed:
         raise SystemExit(
-            f"importing {ref} needs at least {needed / 2**30:.1f} GiB free on the disk of {root}, "
+            f"importing {ref} needs {needed / 2**30:.1f} GiB free on the disk of {root}, "
             f"which has {free / 2**30:.1f} GiB: free some (docker's build cache, for one: "
             "`docker builder prune`)"
         )
