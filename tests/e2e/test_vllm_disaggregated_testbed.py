@@ -349,6 +349,7 @@ async def _started_stream(url: str, body: dict[str, Any]) -> asyncio.Task[tuple[
             return stream
         status, events = stream.result()
         assert status == 504, (status, events)
+        print("the frontend gave up on a stream before the decode worker took it; sent again")
     raise AssertionError("the frontend gave up on 3 requests before the decode worker took them")
 
 
