@@ -12,14 +12,16 @@ decode worker's request handling until upstream's frontend gave the request up (
 plane waits 5 s for the worker to answer).
 
 The threads the agent starts run under SCHED_IDLE, the kernel's policy for work that should
-use only a core nothing else wants: they still poll whenever a core is free, so transfers
-progress as NIXL intends, and any other thread that wakes takes the core at once. Nice 19 was
-not enough: it ranks a thread only against the threads of its own scheduling group (a pod's
-cgroup on a node; its session when the kernel groups sessions), so each pod's NIXL thread
-still got its pod's full share of the cores against the other pods. Two other fixes stalled
-transfers between test-bed pods: no progress thread (a prefill engine with nothing to step must
-still progress UCX for the decode side's pulls), and a pause between polls (the first read
-between two pods then waited about 30 s). Other platforms are left as vLLM configures them.
+use only a core nothing else wants: they still poll whenever a core is free, and any other
+thread that wakes takes the core at once. Like nice 19 before it, the policy ranks a thread
+only against the threads of its own scheduling group (a pod's cgroup on a node; its session
+when the kernel groups sessions), so each pod's NIXL thread still takes what its pod's other
+threads leave of the pod's share. Measured since, on 2 cores: a decode pod's thread got no CPU
+for 24 s while its engine stepped waiting for a pull, and the pull stalled (the guide's Limits);
+a thread with a small guaranteed share is the next step. Two other fixes stalled transfers
+between test-bed pods: no progress thread (a prefill engine with nothing to step must still
+progress UCX for the decode side's pulls), and a pause between polls (the first read between
+two pods then waited about 30 s). Other platforms are left as vLLM configures them.
 """
 
 from __future__ import annotations
