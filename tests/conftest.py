@@ -1,6 +1,9 @@
-"""Fixtures shared by every test directory."""
+"""Fixtures shared by every test directory, and the phase timings `hack/test` reports."""
 
+import os
 import subprocess
+import time
+from collections.abc import Generator
 
 import pytest
 
@@ -21,6 +24,46 @@ __all__ = [
     "testbed",
     "tiny_model",
 ]
+
+
+# hack/test names a file here; each test phase and each session fixture's setup is appended as
+# it ends, so its closing table (hack/testtimes.py) has them even when pytest is killed.
+PHASES_ENV = "DYNAMO_TEST_PHASES"
+
+
+def _record_phase(nodeid: str, when: str, seconds: float, outcome: str) -> None:
+    path = os.environ.get(PHASES_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as phases:
+            phases.write(f"{nodeid}\t{when}\t{seconds:.3f}\t{outcome}\n")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _record_phase(report.nodeid, report.when, report.duration, report.outcome)
+
+
+class SessionFixtureTimer:
+    """A session fixture's setup (the test bed, the kubelet node's image imports) is timed on
+    its own (with the session fixtures it asks for first): in the phases above it hides in the
+    setup of whichever test first asked for it.
+    A plugin, not a conftest hook: pytest asks the session node's hooks for a session
+    fixture, and those do not include a conftest below the root."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[object]
+    ) -> Generator[None, object, object]:
+        started = time.monotonic()
+        try:
+            return (yield)
+        finally:
+            if fixturedef.scope == "session":
+                seconds = time.monotonic() - started
+                _record_phase(f"fixture:{fixturedef.argname}", "setup", seconds, "-")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SessionFixtureTimer(), "session-fixture-timer")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
