@@ -5,21 +5,32 @@ A small in-memory fleet plays the workers' side of `/v1/loras` as `LoRAAdapterHo
 tests can run the planner round after round, complete requests in any order, and check the
 invariants: status never says Loaded for a pod that does not list the adapter, a rollout
 swaps one pod at a time and never leaves the name unserved, and nothing is retried before
-its backoff ends, restarts of the operator included.
+its backoff ends, restarts of the operator included. The same fleet behind the reconciler
+checks that a refused status write loses no Event.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from dynamo_operator.api.common import LabelSelector
 from dynamo_operator.api.loraadapter import AdapterState, LoRAAdapter, LoRAAdapterStatus
 from dynamo_operator.k8s import kinds
-from dynamo_operator.pods.adapters import WORKER_UNREACHABLE, Listing, OpResult, reason_for
+from dynamo_operator.k8s.client import ApiError, Cluster
+from dynamo_operator.metrics import OperatorMetrics
+from dynamo_operator.pods.adapters import (
+    WORKER_UNREACHABLE,
+    Listing,
+    LoraClient,
+    OpResult,
+    reason_for,
+)
+from dynamo_operator.reconcile.errors import TransientError
 from dynamo_operator.reconcile.events import Regarding, event_manifest
 from dynamo_operator.reconcile.loraadapter import plan as planner
 from dynamo_operator.reconcile.loraadapter.model import (
@@ -31,6 +42,7 @@ from dynamo_operator.reconcile.loraadapter.model import (
     PodTrack,
 )
 from dynamo_operator.reconcile.loraadapter.reasons import WORKER_MESSAGE_MAX, scrub
+from dynamo_operator.reconcile.loraadapter.reconciler import LoraReconciler, NamespaceView
 from dynamo_operator.reconcile.loraadapter.status import SOURCE_PINNED
 from dynamo_operator.reconcile.loraadapter.targeting import (
     AdapterRef,
@@ -797,3 +809,70 @@ def test_a_freed_slot_ends_the_capacity_backoff() -> None:
     fleet.finish_all()
     fleet.round()
     assert fleet.status().loaded == "1/1"
+
+
+# --- the reconciler -------------------------------------------------------------------------
+
+
+class RefusingApi:
+    """The API calls a LoRAAdapter reconcile makes: status patches, the next `refusals` of
+    which the server refuses, and Events, kept in order."""
+
+    def __init__(self) -> None:
+        self.refusals = 0
+        self.patches: list[dict[str, Any]] = []
+        self.events: list[Mapping[str, Any]] = []
+
+    async def patch_status(
+        self, kind: kinds.Kind, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        if self.refusals:
+            self.refusals -= 1
+            raise ApiError(503, "ServiceUnavailable", "etcd leader changed", "patch status")
+        self.patches.append(dict(patch))
+        return {"metadata": {"resourceVersion": str(len(self.patches))}}
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        self.events.append(event)
+
+    def reasons(self) -> list[str]:
+        return [str(e["reason"]) for e in self.events]
+
+
+class FleetClient:
+    """`/v1/loras` of a Fleet's pods, by IP: loads always succeed."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.names = {p.ip: p.name for p in fleet.observed().pods}
+
+    async def list(self, ip: str) -> Listing:
+        return self.fleet.listings()[self.names[ip]]
+
+    async def load(self, ip: str, name: str, uri: str, sha256: str | None) -> OpResult:
+        self.fleet.pods[self.names[ip]].serving[name] = uri
+        return OpResult(ok=True, lora_id=1000)
+
+
+async def test_a_refused_status_write_loses_no_loaded_event() -> None:
+    fleet = fleet_of(1)
+    api = RefusingApi()
+    metrics = OperatorMetrics()
+    reconciler = LoraReconciler(
+        cast(Cluster, api), cast(LoraClient, FleetClient(fleet)), metrics=metrics
+    )
+    view = NamespaceView(workers=fleet.workers, pods_of=lambda worker: fleet.observed().pods)
+    body = fleet.adapter.to_dict()
+
+    await reconciler.reconcile(body, view)  # starts the load
+    await reconciler.wait_idle()
+    api.refusals = 1
+    with pytest.raises(TransientError):
+        await reconciler.reconcile(body, view)  # sees the pod serve it; the write fails
+    assert api.reasons() == ["Loaded"]
+    outcome = await reconciler.reconcile(body, view)  # kopf's retry
+    assert outcome.status_written
+    assert LoRAAdapterStatus.model_validate(outcome.status).loaded == "1/1"
+    assert api.reasons() == ["Loaded"]  # announced once, not again by the retry
+    load_seconds = "dynamo_operator_lora_load_duration_seconds_count"
+    assert metrics.registry.get_sample_value(load_seconds) == 1.0

@@ -1,6 +1,7 @@
-"""The release workflow (.github/workflows/release.yaml), which cannot run here: actionlint (built
-from the Go module proxy by hack/build-actionlint) passes it, and it publishes every Dockerfile
-of the repository, for both architectures with an SBOM, where the chart's defaults look."""
+"""The workflows (.github/workflows), which cannot run here: actionlint (built from the Go module
+proxy by hack/build-actionlint) passes each; the release publishes every Dockerfile of the
+repository, for both architectures with an SBOM, where the chart's defaults look; and CI runs
+`.ci/run` on pull requests."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import yaml
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKFLOW = ROOT / ".github" / "workflows" / "release.yaml"
+WORKFLOWS = ROOT / ".github" / "workflows"
+WORKFLOW = WORKFLOWS / "release.yaml"
+CI = WORKFLOWS / "ci.yaml"
 VALUES = ROOT / "helm" / "dynamo-operator" / "values.yaml"
 
 
-def workflow() -> dict[Any, Any]:
-    loaded: dict[Any, Any] = yaml.safe_load(WORKFLOW.read_text())
+def workflow(path: Path = WORKFLOW) -> dict[Any, Any]:
+    loaded: dict[Any, Any] = yaml.safe_load(path.read_text())
     return loaded
 
 
@@ -27,13 +30,19 @@ def build_step(job: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in job["steps"] if s.get("uses", "").startswith("docker/build-push-action"))
 
 
-def test_actionlint_passes() -> None:
+@pytest.fixture(scope="module")
+def actionlint() -> str:
     built = subprocess.run(
         [str(ROOT / "hack" / "build-actionlint")], capture_output=True, text=True, check=False
     )
     assert built.returncode == 0, built.stderr
+    return built.stdout.strip()
+
+
+@pytest.mark.parametrize("path", sorted(WORKFLOWS.glob("*.y*ml")), ids=lambda p: p.name)
+def test_actionlint_passes(actionlint: str, path: Path) -> None:
     lint = subprocess.run(
-        [built.stdout.strip(), "-no-color", str(WORKFLOW)],
+        [actionlint, "-no-color", str(path)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -71,3 +80,10 @@ def test_the_chart_defaults_name_the_published_images() -> None:
         defaults["frontendImage"],
     }
     assert named == published
+
+
+def test_ci_runs_the_test_command_on_pull_requests() -> None:
+    ci = workflow(CI)
+    assert "pull_request" in ci[True]  # YAML 1.1 reads the key `on` as True
+    runs = [step.get("run", "") for job in ci["jobs"].values() for step in job["steps"]]
+    assert any(".ci/run" in run.split() for run in runs)

@@ -195,26 +195,15 @@ class LoraReconciler:
             conflict=name_conflict(ref, view.adapters, view.workers),
         )
         decided = plan(adapter, observed, self.backoff)
+        # From here on the tracks say what this pass saw, so the next plan will not report
+        # these pods as newly loaded or lost again: the histogram and the Events for them
+        # come now, before the status write, which may fail (and is retried from the tracks).
         state.tracks = decided.tracks
         self._measure(state, decided, adapter)
         for action in decided.actions:
             self._start(state, adapter, action)
+        await self._announce(state, decided, adapter)
         written = await self._status.write(state.meta, raw_status, decided.status)
-        for pod in decided.newly_loaded:
-            track = decided.tracks[pod]
-            await self._event(
-                state,
-                "Loaded",
-                f"pod {pod} serves {adapter.adapter_name} from {track.uri} "
-                f"(lora id {track.lora_id})",
-            )
-        for pod in decided.lost:
-            await self._event(
-                state,
-                "Reloading",
-                f"pod {pod} no longer lists {adapter.adapter_name} (its worker restarted?); "
-                "loading it again",
-            )
         wake = None
         if decided.next_retry_at is not None:
             wake = max((decided.next_retry_at - self.clock()).total_seconds(), 0.0)
@@ -237,6 +226,24 @@ class LoraReconciler:
                 state.name,
                 pod,
                 adapter.adapter_name,
+            )
+
+    async def _announce(self, state: _Adapter, decided: Plan, adapter: LoRAAdapter) -> None:
+        """The Events for the pods this pass found serving the adapter, or no longer."""
+        for pod in decided.newly_loaded:
+            track = decided.tracks[pod]
+            await self._event(
+                state,
+                "Loaded",
+                f"pod {pod} serves {adapter.adapter_name} from {track.uri} "
+                f"(lora id {track.lora_id})",
+            )
+        for pod in decided.lost:
+            await self._event(
+                state,
+                "Reloading",
+                f"pod {pod} no longer lists {adapter.adapter_name} (its worker restarted?); "
+                "loading it again",
             )
 
     async def _list_all(self, namespace: str, pods: Sequence[Pod]) -> dict[str, Listing]:
