@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from . import daemons, kubelet_node, network
+from . import cpu_share, daemons, kubelet_node, network
 from .controlplane import Component, components, kubelet_api, kwok_stages
 from .layout import (
     GPUS_PER_NODE,
@@ -222,6 +222,9 @@ def up(layout: Layout, ports: Ports, with_kubelet_node: bool) -> None:
     write_admin_kubeconfig(layout.pki, server_url(ports), layout.kubeconfig)
     network.ensure_nftables()
     network.setup_host()
+    unshared = cpu_share.available()
+    if unshared:
+        say(f"no CPU share for the control plane ({unshared}): pods may slow the API server")
     stages = kwok_stages(bin_dir, _gomodcache())
     for component in components(layout, ports, bin_dir, stages):
         _start(layout, component)
@@ -387,6 +390,7 @@ def down(layout: Layout) -> None:
             say(f"stopping {name}")
         daemons.stop(layout, name)
     network.teardown_host()
+    cpu_share.remove()
     # A fresh store next time: each `up` starts from an empty cluster.
     shutil.rmtree(layout.etcd_data, ignore_errors=True)
     shutil.rmtree(layout.pods, ignore_errors=True)

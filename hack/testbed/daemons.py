@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from . import cpu_share
 from .layout import Layout
 
 
@@ -30,7 +31,8 @@ def pid_of(layout: Layout, name: str) -> int | None:
 
 
 def start(layout: Layout, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
-    """Start `argv` in its own session with output in logs/<name>.log; no-op if running."""
+    """Start `argv` in its own session with output in logs/<name>.log, in the bed's system
+    CPU group (`cpu_share`); no-op if running."""
     running = pid_of(layout, name)
     if running:
         return running
@@ -43,6 +45,7 @@ def start(layout: Layout, name: str, argv: Sequence[str], env: dict[str, str] | 
         start_new_session=True,
         env={**os.environ, **(env or {})},
     )
+    cpu_share.place(proc.pid, cpu_share.SYSTEM)
     _pid_file(layout, name).write_text(str(proc.pid))
     return proc.pid
 

@@ -45,7 +45,7 @@ import aiohttp
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from . import container_logs, network
+from . import container_logs, cpu_share, network
 from .layout import (
     GATEWAY_IP,
     GPUS_PER_NODE,
@@ -624,6 +624,9 @@ class ProcessNode:
             finally:
                 if stdin:
                     os.close(stdin_fd)
+            # Out of the agent's system group (which it would inherit): a busy engine must
+            # not take the control plane's CPU share.
+            cpu_share.place(container.process.pid, cpu_share.PODS)
             container.run_number = container.restart_count
             cri_log = run.directory / "logs" / container.name / f"{container.run_number}.log"
             copying = asyncio.create_task(
