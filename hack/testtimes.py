@@ -4,8 +4,8 @@
 goes, so a failed or killed run still has what it finished:
 
 - STEPS (written by `hack/test`): `name<TAB>seconds`, one line per setup step (venvs, builds,
-  images, lint, pytest itself); a step whose name begins with `(in the background)` ran beside the others
-  and is left out of the total;
+  images, lint, pytest itself); a step whose name begins with `(in the background)` ran beside
+  the others and is left out of the total;
 - PHASES (written by `tests/conftest.py` when `DYNAMO_TEST_PHASES` names it): one line per
   test phase, `nodeid<TAB>phase<TAB>seconds<TAB>outcome` with phase `setup`, `call` or
   `teardown`, and one per session fixture set up, `fixture:NAME<TAB>setup<TAB>seconds<TAB>-`

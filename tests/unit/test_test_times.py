@@ -18,7 +18,8 @@ pytestmark = pytest.mark.unit
 
 def _module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("testtimes", SCRIPT)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["testtimes"] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
