@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from . import daemons
-from .layout import HACK_DIR, Layout, Ports, server_url
+from .layout import HACK_DIR, Layout, Ports, cache_dir, read_versions, server_url
 from .pki import issue_leaf, kubeconfig_for
 
 NODE_NAME = "kubelet-node-0"
@@ -75,6 +75,14 @@ class NodePaths:
         self.cni_bin = self.root / "cni" / "bin"
         self.created_mountpoints = self.root / "created-mountpoints"
         self.bin_dir_file = self.root / "bin-dir"
+        # The imported images (8 GB and minutes of importing) outlive the checkout: a second
+        # checkout, or a fresh clone in CI on the same machine, finds them. Keyed by
+        # containerd's version, whose store format it is.
+        self.store = (
+            cache_dir() / f"kubelet-node-containerd-{read_versions()['CONTAINERD_VERSION']}"
+        )
+        # Where the store was kept inside the checkout before.
+        self.old_store = self.root / "containerd" / "root"
 
     def bound(self, name: str) -> Path:
         return self.root / "bound" / name
@@ -85,11 +93,13 @@ def prepare(layout: Layout, ports: Ports, bin_dir: Path) -> NodePaths:
     paths = NodePaths(layout)
     for name in BOUND:
         paths.bound(name).mkdir(parents=True, exist_ok=True)
+    # A store an older bed kept in the checkout would hold a second copy of every image.
+    shutil.rmtree(paths.old_store, ignore_errors=True)
+    paths.store.mkdir(parents=True, exist_ok=True)
     for sub in (
         "sysctl",
         "pod-logs",
         "certs",
-        "containerd/root",
         "containerd/state",
         "containerd/opt",
         "cni/ipam",
@@ -139,7 +149,7 @@ def _write_cni(paths: NodePaths, bin_dir: Path) -> None:
 def _containerd_config(paths: NodePaths, bin_dir: Path) -> str:
     state = paths.root / "containerd"
     return f"""version = 3
-root = "{state / "root"}"
+root = "{paths.store}"
 state = "{state / "state"}"
 
 [plugins.'io.containerd.server.v1.grpc']
@@ -254,7 +264,7 @@ def stop(layout: Layout) -> None:
     _remove_cgroups()
     _kill_shims(paths)
     _delete_node_ip()
-    # The node's state goes; containerd's store stays (the imported images, a cache).
+    # The node's state goes; containerd's store stays (the imported images, in the cache).
     for name in BOUND:
         shutil.rmtree(paths.bound(name), ignore_errors=True)
     shutil.rmtree(paths.root / "containerd" / "state", ignore_errors=True)

@@ -44,6 +44,15 @@ VLLM_WORKER_IMAGE = "dynamo-worker-vllm:testbed"
 VLLM_VENV_ENV = "DYNAMO_VLLM_VENV"
 
 
+def cache_dir() -> Path:
+    """The test bed's cache outside the checkout, shared by every checkout on this machine
+    (as hack/lib/go-cache.sh names it): builds, venvs, the kubelet node's image store."""
+    if os.environ.get("DYNAMO_TESTBED_CACHE"):
+        return Path(os.environ["DYNAMO_TESTBED_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dynamo-testbed"
+
+
 def vllm_venv() -> Path:
     """Where hack/vllm-venv puts vLLM's venv: $DYNAMO_VLLM_VENV, else the cache folder named
     after the vLLM pin (read from the script, its one place)."""
