@@ -93,8 +93,7 @@ def prepare(layout: Layout, ports: Ports, bin_dir: Path) -> NodePaths:
     paths = NodePaths(layout)
     for name in BOUND:
         paths.bound(name).mkdir(parents=True, exist_ok=True)
-    # A store an older bed kept in the checkout would hold a second copy of every image.
-    shutil.rmtree(paths.old_store, ignore_errors=True)
+    _move_old_store(paths)
     paths.store.mkdir(parents=True, exist_ok=True)
     for sub in (
         "sysctl",
@@ -115,6 +114,18 @@ def prepare(layout: Layout, ports: Ports, bin_dir: Path) -> NodePaths:
     paths.containerd_config.write_text(_containerd_config(paths, bin_dir))
     paths.kubelet_config.write_text(json.dumps(_kubelet_config(layout, paths, ports), indent=2))
     return paths
+
+
+def _move_old_store(paths: NodePaths) -> None:
+    """A store an older bed kept in the checkout becomes the cache's, when the cache has none
+    (a rename, on one disk); else it goes: it would hold a second copy of every image."""
+    if not paths.old_store.exists():
+        return
+    if not paths.store.exists():
+        paths.store.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # another disk: imported again instead
+            paths.old_store.rename(paths.store)
+    shutil.rmtree(paths.old_store, ignore_errors=True)
 
 
 def _write_cni(paths: NodePaths, bin_dir: Path) -> None:
