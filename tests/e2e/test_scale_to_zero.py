@@ -265,9 +265,10 @@ async def test_a_request_at_zero_through_upstreams_frontend(bed: Bed) -> None:
     await bed.eventually("back at zero", bed.at_zero, 120, bool)
     frontend = await frontend_base(bed)
     await listed_at_zero(bed, frontend)
-    # The frontend learns of the activator's endpoint through its own watch, a moment after
-    # the Service does: until then it answers 503 for a model with no instance (see the
-    # guide's limits). A client that retries a 503 is served.
+    # The activator stood in before the last pod went (the operator holds the pod until its
+    # endpoint is ready), so the frontend routes to it at once; it would answer 503 only had
+    # one of its watches seen the pod leave before the other saw the activator arrive (see
+    # the guide's limits). A client that retries a 503 is served; the count is printed.
     deadline, refused = time.monotonic() + 30, 0
     while True:
         try:

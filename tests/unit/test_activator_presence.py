@@ -1,5 +1,6 @@
-"""Presence: in discovery while it holds cards and no pod is ready, out as soon as one is;
-the record it publishes and the slice entry it applies."""
+"""Presence: in discovery while it holds cards and no pod is ready or the operator marked the
+worker scaled to zero, out once a pod is ready and the mark is gone; the record it publishes
+and the slice entry it applies."""
 
 from __future__ import annotations
 
@@ -14,10 +15,19 @@ from dynamo.activator.app import Activator
 from dynamo.activator.cards import CapturedCards
 from dynamo.activator.config import ActivatorConfig
 from dynamo.activator.kube_presence import slice_apply
-from dynamo.activator.pods import MemoryPodSource, ReadyPod, served_models, tcp_address
+from dynamo.activator.pods import (
+    SCALED_TO_ZERO_ANNOTATION,
+    MemoryPodSource,
+    ReadyPod,
+    scaled_to_zero,
+    served_models,
+    tcp_address,
+    worker_view,
+)
 from dynamo.activator.presence import MemoryPresence, decide, presence_metadata
 from dynamo.runtime.discovery.base import AdapterCard, EndpointAddress, WorkerAdvertisement
 from dynamo.runtime.discovery.records import discovery_metadata, kubernetes_instance_id
+from dynamo_operator.reconcile.dynamoworker import labels as operator_labels
 
 pytestmark = pytest.mark.unit
 
@@ -55,16 +65,34 @@ def ready(name: str = "llama-0") -> ReadyPod:
 
 
 @pytest.mark.parametrize(
-    ("cards", "pods", "stopping", "present"),
+    ("cards", "pods", "to_zero", "stopping", "present"),
     [
-        (True, 0, False, True),
-        (False, 0, False, False),
-        (True, 1, False, False),
-        (True, 0, True, False),
+        (True, 0, False, False, True),
+        (False, 0, False, False, False),
+        (True, 1, False, False, False),
+        (True, 0, False, True, False),
+        # Marked scaled to zero: in while the last pod still serves, so that the operator can
+        # let it go with the activator already ready; never without cards, never stopping.
+        (True, 1, True, False, True),
+        (True, 0, True, False, True),
+        (False, 1, True, False, False),
+        (True, 1, True, True, False),
     ],
 )
-def test_the_rule(cards: bool, pods: int, stopping: bool, present: bool) -> None:
-    assert decide(cards_ready=cards, ready_pods=pods, shutting_down=stopping) is present
+def test_the_rule(cards: bool, pods: int, to_zero: bool, stopping: bool, present: bool) -> None:
+    decided = decide(
+        cards_ready=cards, ready_pods=pods, scaled_to_zero=to_zero, shutting_down=stopping
+    )
+    assert decided is present
+
+
+def test_the_mark_is_the_operators_annotation_on_its_own_slice() -> None:
+    # One name on both sides of the contract.
+    assert SCALED_TO_ZERO_ANNOTATION == operator_labels.SCALED_TO_ZERO_ANNOTATION
+    marked = {"metadata": {"annotations": {SCALED_TO_ZERO_ANNOTATION: "true"}}}
+    assert scaled_to_zero(marked)
+    assert not scaled_to_zero({"metadata": {"name": "llama-activator"}})
+    assert not scaled_to_zero(None)  # its slice not seen (yet)
 
 
 def test_the_record_is_the_captured_cards_under_the_activators_own_instance() -> None:
@@ -100,6 +128,25 @@ def test_the_slice_entry_is_the_activators_pod_and_only_endpoints() -> None:
     [out] = slice_apply(CONFIG, ready=False)["endpoints"]
     assert out["addresses"] == ["127.0.0.1"]
     assert out["conditions"] == {"ready": False, "serving": False, "terminating": False}
+
+
+def test_the_view_takes_the_pods_from_the_worker_slices_and_the_mark_from_its_own() -> None:
+    def endpoint(pod: str, ip: str) -> dict[str, Any]:
+        return {"addresses": [ip], "conditions": {"ready": True}, "targetRef": {"name": pod}}
+
+    slices: dict[str, dict[str, Any]] = {
+        "llama-x7k2p": {"metadata": {}, "endpoints": [endpoint("llama-0", "10.0.0.7")]},
+        "llama-activator": {
+            "metadata": {"annotations": {SCALED_TO_ZERO_ANNOTATION: "true"}},
+            "endpoints": [endpoint(CONFIG.pod_name, "10.0.0.9")],
+        },
+    }
+    metadata = {"llama-0": pod_metadata(), CONFIG.pod_name: pod_metadata(CONFIG.pod_name)}
+    view = worker_view(slices, metadata, "llama-activator", 8000)
+    assert [p.name for p in view.pods] == ["llama-0"]  # never itself
+    assert view.scaled_to_zero
+    del slices["llama-activator"]["metadata"]["annotations"]
+    assert not worker_view(slices, metadata, "llama-activator", 8000).scaled_to_zero
 
 
 @pytest.fixture
@@ -152,3 +199,29 @@ async def test_stopping_steps_out(
     await until(lambda: presence.present)
     await running.stop()
     assert not presence.present
+
+
+async def test_it_steps_in_when_marked_scaled_to_zero_while_a_pod_still_serves(
+    activator: tuple[Activator, MemoryPodSource, MemoryPresence],
+) -> None:
+    running, source, presence = activator
+    source.set([ready()])
+    await until(lambda: running.cards is not None)
+    assert not presence.present
+    source.mark_scaled_to_zero(True)
+    await until(lambda: presence.present)
+    assert presence.metadata is not None
+    assert presence.metadata["endpoints"]
+    # A request meanwhile goes straight to the pod that still serves: nothing is held.
+    pod = await running.hold.wait(running.hold.ticket("llama"))
+    assert pod.name == "llama-0"
+    assert running.hold.held == 0
+    source.set([])  # the last pod goes: still in
+    await asyncio.sleep(0.05)
+    assert presence.present
+    source.mark_scaled_to_zero(False)  # woken: in until a pod is ready
+    await asyncio.sleep(0.05)
+    assert presence.present
+    source.set([ready("llama-1")])
+    await until(lambda: not presence.present)
+    assert presence.history == ["out", "in", "out"]

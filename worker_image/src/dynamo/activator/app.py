@@ -1,10 +1,11 @@
 """`Activator`: the pieces wired together, started and stopped.
 
-One reconcile loop reacts to every change of the ready pods (and retries a failed capture):
-it steps out of discovery first when a pod is ready (the pods then serve directly), captures
-the cards of the first ready pod when they differ from the kept ones, and steps in when the
-rule of `presence.decide` says so. Requests never wait for this loop: the hold wakes on the
-fleet's own change notice.
+One reconcile loop reacts to every change of the worker's view (the ready pods, the
+operator's scaled-to-zero mark) and retries a failed capture: it steps out of discovery first
+when a pod is ready and the worker is not scaled to zero (the pods then serve directly),
+captures the cards of the first ready pod when they differ from the kept ones, and steps in
+when the rule of `presence.decide` says so. Requests never wait for this loop: the hold wakes
+on the fleet's own change notice.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dynamo.activator.config import ActivatorConfig
 from dynamo.activator.hold import Hold
 from dynamo.activator.http_proxy import HttpProxy
 from dynamo.activator.metrics import ActivatorMetrics
-from dynamo.activator.pods import Fleet, PodSource, ReadyPod
+from dynamo.activator.pods import Fleet, PodSource, ReadyPod, WorkerView
 from dynamo.activator.presence import Presence
 from dynamo.activator.system import SystemServer
 from dynamo.activator.tcp_relay import TcpRelay
@@ -53,6 +54,7 @@ class Activator:
         self._source = source
         self._presence = presence
         self._present = False
+        self._scaled_to_zero = False  # the operator's mark on the activator's slice
         self._published: dict[str, Any] | None = None
         self._stopping = False
         self._dirty = asyncio.Event()
@@ -83,7 +85,7 @@ class Activator:
         )
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._source.run(self._on_pods), name="activator-pods"),
+            loop.create_task(self._source.run(self._on_view), name="activator-pods"),
             loop.create_task(self._reconcile_forever(), name="activator-reconcile"),
         ]
 
@@ -119,8 +121,9 @@ class Activator:
         self._runners.append(runner)
         return int(runner.addresses[0][1])
 
-    def _on_pods(self, pods: list[ReadyPod]) -> None:
-        self.fleet.update(pods)
+    def _on_view(self, view: WorkerView) -> None:
+        self.fleet.update(view.pods)
+        self._scaled_to_zero = view.scaled_to_zero
         self._dirty.set()
 
     async def _reconcile_forever(self) -> None:
@@ -146,13 +149,14 @@ class Activator:
             # activator there (held requests, whether it holds a card) before it steps in.
             await self._presence.step_out()
             self._announced = True
-        if pods and self._present:
+        if pods and self._present and not self._scaled_to_zero:
             await self._step_out()
         if pods and pods[0].metadata.get("model_cards") != self._captured_from:
             failed = not await self._capture(pods[0])
         want = presence_rule.decide(
             cards_ready=self.cards is not None,
             ready_pods=len(self.fleet.pods),
+            scaled_to_zero=self._scaled_to_zero,
             shutting_down=self._stopping,
         )
         if want and self.cards is not None:
@@ -162,7 +166,11 @@ class Activator:
             if not self._present or metadata != self._published:
                 await self._presence.step_in(metadata)
                 self._present, self._published = True, metadata
-                log.info("no ready pod: the activator is in discovery for %s", self.config.worker)
+                log.info(
+                    "%s: the activator is in discovery for %s",
+                    "scaled to zero" if self._scaled_to_zero else "no ready pod",
+                    self.config.worker,
+                )
         elif not want and self._present:
             await self._step_out()
         return failed

@@ -4,8 +4,9 @@ DynamoWorkerMetadata objects (kubernetes_asyncio).
 Each kind is listed, then watched from the list's resourceVersion; a watch that ends (its
 timeout, about every 5 minutes: a resync) or fails (410 Gone, a dropped connection, an API
 error) leads to a fresh list after a short back-off, so the view converges whatever was
-missed. After every change the joined view (`pods.ready_pods`) goes to the sink. The
-activator's own slice (`<worker>-activator`) and its own metadata object are left out.
+missed. After every change the joined view (`pods.worker_view`) goes to the sink: the ready
+pods, from every slice but the activator's own (`<worker>-activator`) and without its own
+metadata object, and the operator's mark on that own slice.
 Needs list/watch on `endpointslices` (discovery.k8s.io) and `dynamoworkermetadatas`
 (nvidia.com) in the namespace.
 """
@@ -20,7 +21,7 @@ from typing import Any
 from kubernetes_asyncio import client, watch
 
 from dynamo.activator.config import ActivatorConfig
-from dynamo.activator.pods import SERVICE_NAME_LABEL, PodSink, ready_pods
+from dynamo.activator.pods import SERVICE_NAME_LABEL, ViewSink, worker_view
 from dynamo.runtime.discovery.kubernetes import GROUP, PLURAL, VERSION
 from dynamo.runtime.kube_api import api_client
 
@@ -41,7 +42,7 @@ class KubePodSource:
         self._slices: dict[str, dict[str, Any]] = {}
         self._metadata: dict[str, dict[str, Any]] = {}
 
-    async def run(self, sink: PodSink) -> None:
+    async def run(self, sink: ViewSink) -> None:
         api = await api_client(self._environ)
         try:
             slices = client.DiscoveryV1Api(api)
@@ -49,7 +50,8 @@ class KubePodSource:
             selector = f"{SERVICE_NAME_LABEL}={self.config.worker}"
 
             def publish() -> None:
-                sink(ready_pods(self._slices.values(), self._metadata, self.config.http_port))
+                own, port = self.config.activator_slice, self.config.http_port
+                sink(worker_view(self._slices, self._metadata, own, port))
 
             async def list_slices(**kwargs: Any) -> Any:
                 return await slices.list_namespaced_endpoint_slice(
@@ -62,16 +64,11 @@ class KubePodSource:
                 )
 
             await asyncio.gather(
-                self._follow(api, list_slices, self._slices, self._keep_slice, publish),
+                self._follow(api, list_slices, self._slices, dict, publish),
                 self._follow(api, list_metadata, self._metadata, self._keep_metadata, publish),
             )
         finally:
             await api.close()
-
-    def _keep_slice(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
-        if obj["metadata"]["name"] == self.config.activator_slice:
-            return None
-        return dict(obj)
 
     def _keep_metadata(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         if obj["metadata"]["name"] == self.config.pod_name:

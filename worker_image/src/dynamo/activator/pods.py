@@ -2,9 +2,12 @@
 
 A pod is *ready* when an EndpointSlice of the worker's Service lists it with
 `conditions.ready` and its `DynamoWorkerMetadata` (named after the pod) exists: the same two
-facts upstream's frontend joins. `ready_pods` is that join, pure. A `PodSource` produces the
-inputs (the Kubernetes watches in `kube_source`, or `MemoryPodSource` in tests) and hands
-each new list of pods to a `Fleet`, which the rest of the activator reads and waits on.
+facts upstream's frontend joins. `ready_pods` is that join, pure. Beside the pods, the
+activator reads one fact off its own EndpointSlice: whether the operator marked the worker
+scaled to zero (`scaled_to_zero`), its cue to step in while the last pod still serves.
+`worker_view` makes both a `WorkerView`, pure. A `PodSource` produces the views (the
+Kubernetes watches in `kube_source`, or `MemoryPodSource` in tests); the pods go to a
+`Fleet`, which the rest of the activator reads and waits on.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+# On the activator's own EndpointSlice while the DynamoWorker's spec.replicas is 0; the
+# operator sets it (`dynamo_operator.reconcile.dynamoworker.labels`, the same name).
+SCALED_TO_ZERO_ANNOTATION = "dynamo.dev/scaled-to-zero"
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,38 @@ def ready_pods(
     return [found[name] for name in sorted(found)]
 
 
+def scaled_to_zero(activator_slice: Mapping[str, Any] | None) -> bool:
+    """Whether the operator marked the activator's own EndpointSlice: the worker's
+    spec.replicas is 0, so its last pod is about to go."""
+    annotations = ((activator_slice or {}).get("metadata") or {}).get("annotations") or {}
+    return annotations.get(SCALED_TO_ZERO_ANNOTATION) == "true"
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the activator follows of its worker: the ready pods, and whether the worker is
+    scaled to zero (see `scaled_to_zero`)."""
+
+    pods: tuple[ReadyPod, ...]
+    scaled_to_zero: bool = False
+
+
+def worker_view(
+    slices: Mapping[str, Mapping[str, Any]],
+    metadata_by_name: Mapping[str, Mapping[str, Any]],
+    activator_slice: str,
+    http_port: int,
+) -> WorkerView:
+    """The view from the worker Service's EndpointSlices (by name) and the pods' metadata:
+    the ready pods of every slice but the activator's own, and the operator's mark on that
+    one."""
+    workers = [s for name, s in slices.items() if name != activator_slice]
+    return WorkerView(
+        tuple(ready_pods(workers, metadata_by_name, http_port)),
+        scaled_to_zero(slices.get(activator_slice)),
+    )
+
+
 class Fleet:
     """The current ready pods; waiters are woken on every change."""
 
@@ -115,34 +153,41 @@ class Fleet:
         return self._changed
 
 
-PodSink = Callable[[list[ReadyPod]], None]
+ViewSink = Callable[[WorkerView], None]
 
 
 class PodSource(Protocol):
-    """Produces the ready pods and hands every new list to `sink` until cancelled."""
+    """Produces the worker's view and hands every new one to `sink` until cancelled."""
 
-    async def run(self, sink: PodSink) -> None: ...
+    async def run(self, sink: ViewSink) -> None: ...
 
 
 class MemoryPodSource:
     """A pod source fed by hand (tests, and a place to see the interface at its simplest)."""
 
     def __init__(self, pods: Iterable[ReadyPod] = ()) -> None:
-        self._pods = list(pods)
-        self._sink: PodSink | None = None
+        self._view = WorkerView(tuple(pods))
+        self._sink: ViewSink | None = None
         self._running = asyncio.Event()
 
     def set(self, pods: Iterable[ReadyPod]) -> None:
         """Publish a new list of ready pods."""
-        self._pods = list(pods)
-        if self._sink is not None:
-            self._sink(list(self._pods))
+        self._publish(WorkerView(tuple(pods), self._view.scaled_to_zero))
 
-    async def run(self, sink: PodSink) -> None:
+    def mark_scaled_to_zero(self, marked: bool) -> None:
+        """Publish the operator's mark (or its removal), the pods unchanged."""
+        self._publish(WorkerView(self._view.pods, marked))
+
+    async def run(self, sink: ViewSink) -> None:
         self._sink = sink
-        sink(list(self._pods))
+        sink(self._view)
         self._running.set()
         await asyncio.Event().wait()  # until cancelled
 
     async def started(self) -> None:
         await self._running.wait()
+
+    def _publish(self, view: WorkerView) -> None:
+        self._view = view
+        if self._sink is not None:
+            self._sink(view)

@@ -1,14 +1,18 @@
 """Presence: the activator in discovery, in the pods' place, while none of them serves.
 
-It is present while it holds captured cards AND no worker pod is ready (and it is not
-shutting down): it then publishes a DiscoveryMetadata of its own, the captured cards under
-its own instance id with one Endpoint record pointing at its own TCP request plane, and
-marks itself ready in the `<worker>-activator` EndpointSlice. Upstream's frontend keeps
-listing the model and routes to the activator; clients of the worker's Service reach its
-HTTP port through the same slice. As soon as a pod is ready it steps out: the slice loses
-its endpoint and the metadata's endpoints are emptied (the cards stay, as a draining
-worker's do). `decide` is the rule, `presence_metadata` the record; a `Presence` does the I/O
-(`kube_presence.KubePresence` in a cluster, `MemoryPresence` in tests).
+It is present while it holds captured cards AND either no worker pod is ready or the worker
+is scaled to zero (the operator's mark on its slice), and it is not shutting down. It then
+publishes a DiscoveryMetadata of its own, the captured cards under its own instance id with
+one Endpoint record pointing at its own TCP request plane, and marks itself ready in the
+`<worker>-activator` EndpointSlice. Upstream's frontend keeps listing the model and routes
+to the activator; clients of the worker's Service reach its HTTP port through the same
+slice. Stepping in on the mark, while the last pod still serves (the operator keeps that pod
+until the activator's endpoint is ready), leaves no moment with neither in discovery; a
+request that reaches the activator meanwhile goes straight to that pod. Once a pod is ready
+and the mark is gone it steps out: the slice's endpoint turns not ready and the metadata's
+endpoints are emptied (the cards stay, as a draining worker's do). `decide` is the rule,
+`presence_metadata` the record; a `Presence` does the I/O (`kube_presence.KubePresence` in a
+cluster, `MemoryPresence` in tests).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from dynamo.runtime.discovery.records import kubernetes_instance_id, slugify
 from dynamo.runtime.tcp_plane.address import endpoint_path, transport_address
 
 
-def decide(*, cards_ready: bool, ready_pods: int, shutting_down: bool) -> bool:
+def decide(
+    *, cards_ready: bool, ready_pods: int, scaled_to_zero: bool, shutting_down: bool
+) -> bool:
     """Whether the activator should be in discovery now."""
-    return cards_ready and ready_pods == 0 and not shutting_down
+    return cards_ready and (ready_pods == 0 or scaled_to_zero) and not shutting_down
 
 
 def served_endpoint(cards: CapturedCards) -> tuple[str, str, str]:

@@ -7,6 +7,7 @@
 - `pods`: what the watch says about each worker pod (`PodSummary`), and the pods joined to
   their DynamoWorkerMetadata.
 - `adapter_gate`: the LoRA-adapters readiness gate condition of each pod.
+- `handover`: at zero, whether the last pod waits for the activator to stand in (pure).
 - `status`: pure `compute_status(dw, observation)`; `transitions`: which condition changes
   are worth an Event.
 - `reconciler`: one reconcile pass (apply, read back, push taints, set gates, write status).

@@ -16,6 +16,9 @@ DynamoWorker, made by the operator rather than one shared Deployment in the char
 
 The operator creates the EndpointSlice with no endpoints; the activator's Role may patch that
 one slice (by name) to add or withdraw its own address, and nothing else of the Service.
+While spec.replicas is 0 the operator marks that slice (`SCALED_TO_ZERO_ANNOTATION`), which
+the activator already watches: it steps in at once, and its endpoint turning ready there is
+what lets the last worker pod go (see `handover`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dynamo_operator.reconcile.dynamoworker import interface as wi
 from dynamo_operator.reconcile.dynamoworker import manifests as m
 from dynamo_operator.reconcile.dynamoworker.labels import (
     DISCOVERY_LABELS,
+    SCALED_TO_ZERO_ANNOTATION,
     activator_labels,
     activator_name,
     activator_selector_labels,
@@ -155,7 +159,8 @@ def desired_activator_deployment(
 
 def desired_activator_endpoint_slice(dw: DynamoWorker) -> Manifest:
     """The worker Service's EndpointSlice for the activator, made empty: the activator adds
-    its own address while it stands in for the pods (its field manager owns `endpoints`)."""
+    its own address while it stands in for the pods (its field manager owns `endpoints`).
+    Marked scaled to zero while spec.replicas is 0."""
     worker, _, _ = m.identity(dw)
     labels = {
         **ACTIVATOR_COMPONENT,
@@ -163,10 +168,13 @@ def desired_activator_endpoint_slice(dw: DynamoWorker) -> Manifest:
         SERVICE_NAME_LABEL: service_name(worker),
         MANAGED_BY_LABEL: ACTIVATOR_MANAGER,
     }
+    metadata = m.object_metadata(dw, activator_name(worker), labels)
+    if dw.spec.replicas == 0:
+        metadata["annotations"] = {SCALED_TO_ZERO_ANNOTATION: "true"}
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
-        "metadata": m.object_metadata(dw, activator_name(worker), labels),
+        "metadata": metadata,
         "addressType": "IPv4",
         "ports": [
             {"name": routes.SYSTEM_PORT_NAME, "port": routes.SYSTEM_PORT, "protocol": "TCP"},
@@ -182,6 +190,13 @@ def activator_ip(slice_: Manifest | None) -> str | None:
         if addresses:
             return str(addresses[0])
     return None
+
+
+def activator_ready(slice_: Manifest | None) -> bool:
+    """Whether the activator stands in: its endpoint in its EndpointSlice is ready (it marks
+    it so once its discovery record is published)."""
+    endpoints = (slice_ or {}).get("endpoints") or []
+    return any((e.get("conditions") or {}).get("ready") is True for e in endpoints)
 
 
 def desired_activator_children(dw: DynamoWorker, settings: ReconcileSettings) -> list[Manifest]:

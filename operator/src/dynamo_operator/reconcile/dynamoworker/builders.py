@@ -206,10 +206,12 @@ def desired_deployment(
     *,
     adapters_gate: bool = False,
     role: WorkerRole | None = None,
+    hold_last_pod: bool = False,
 ) -> Manifest:
     """The Deployment of worker pods (container `main` running `dynamo-worker`), of the pods
     of `role` for a disaggregated worker; with the LoRA-adapters readiness gate when
-    `adapters_gate` (see `adapter_gate`)."""
+    `adapters_gate` (see `adapter_gate`); with one pod whatever spec.replicas says when
+    `hold_last_pod` (the hand-over to zero, see `handover`)."""
     worker, _, _ = m.identity(dw)
     spec = dw.spec.for_role(role)
     env = _worker_env(dw, role)
@@ -260,7 +262,7 @@ def desired_deployment(
     deployment = m.deployment(
         dw,
         deployment_name(worker, role),
-        spec.replicas,
+        1 if hold_last_pod else spec.replicas,
         selector_labels(worker, role),
         {"metadata": template_metadata, "spec": pod_spec},
     )
@@ -416,6 +418,7 @@ def desired_children(
     *,
     adapters_gate: bool = False,
     hold_deployment: bool = False,
+    hold_last_pod: bool = False,
 ) -> list[Manifest]:
     """Every child the worker should have, in apply order: identity and permissions before
     the pods that use them, the NetworkPolicy before the pods it isolates (unless
@@ -424,7 +427,8 @@ def desired_children(
     (when spec.frontend is set). With spec.prefill, the Service, PDB, NetworkPolicy,
     Deployment and PodMonitor are made for each role; both roles share the identity.
     `hold_deployment` leaves the worker Deployments out, neither made nor changed (while the
-    model cache fills for a new source)."""
+    model cache fills for a new source); `hold_last_pod` keeps one worker pod while the
+    activator takes over at zero (see `handover`)."""
     roles = disaggregation.roles(dw.spec)
     children = [
         desired_service_account(dw),
@@ -439,7 +443,9 @@ def desired_children(
             children.append(desired_network_policy(dw, settings, activator=True))
     if not hold_deployment:
         children += [
-            desired_deployment(dw, settings, adapters_gate=adapters_gate, role=role)
+            desired_deployment(
+                dw, settings, adapters_gate=adapters_gate, role=role, hold_last_pod=hold_last_pod
+            )
             for role in roles
         ]
     if m.wants_pod_monitor(dw.spec, settings) and settings.pod_monitor_crd:

@@ -67,6 +67,9 @@ def frontend_labels(worker: str) -> dict[str, str]:
 
 
 ACTIVATOR_LABEL = f"{PREFIX}activator"
+# On the activator's EndpointSlice while spec.replicas is 0: the activator's cue to step in
+# while the last pod still serves (`dynamo.activator.pods` reads it by the same name).
+SCALED_TO_ZERO_ANNOTATION = f"{PREFIX}scaled-to-zero"
 
 
 def activator_labels(worker: str) -> dict[str, str]:

@@ -3,7 +3,9 @@
 Level-based and idempotent: every run recomputes the desired children from the spec, applies
 those whose live copy differs (see `reconcile.converge`), removes the PodMonitor when it is no
 longer wanted, pushes model taints where pods lag behind, computes status from what it sees,
-and writes status only when it changed. Any run may be cut short (a crash, a restart) and the
+and writes status only when it changed. At zero it keeps the last pod until the activator
+stands in (`handover`); when that hand-over began is the one thing it keeps in memory, so an
+operator restart starts its bound again. Any run may be cut short (a crash, a restart) and the
 next one picks up from whatever exists: children have deterministic names and owner
 references, so nothing is duplicated or orphaned.
 """
@@ -31,9 +33,15 @@ from dynamo_operator.k8s.client import ApiError, Cluster
 from dynamo_operator.pods.taints import TaintPusher
 from dynamo_operator.reconcile.children import ChildIndex, ChildReader
 from dynamo_operator.reconcile.converge import difference, needs_apply, stamped
+from dynamo_operator.reconcile.dynamoworker.activator import activator_ready, wants_activator
 from dynamo_operator.reconcile.dynamoworker.adapter_gate import RequiredAdapter, wanted_condition
 from dynamo_operator.reconcile.dynamoworker.builders import POD_MONITOR_CRD, desired_children
 from dynamo_operator.reconcile.dynamoworker.disaggregation import roles
+from dynamo_operator.reconcile.dynamoworker.handover import (
+    HAND_OVER_TIMEOUT_SECONDS,
+    HandOver,
+    hand_over,
+)
 from dynamo_operator.reconcile.dynamoworker.kv_transfer import KvTransferView
 from dynamo_operator.reconcile.dynamoworker.labels import (
     activator_name,
@@ -174,6 +182,8 @@ class WorkerReconciler:
     autoscaling: Callable[[str, str], AutoscalingStatus | None] = lambda namespace, name: None
     kv_transfer: Callable[[str, str], KvTransferView | None] = lambda namespace, name: None
     _crd_checked_at: float = field(default=float("-inf"), init=False)
+    # Per DynamoWorker uid: when its hand-over to the activator began (see `handover`).
+    _hand_over_since: dict[str, datetime] = field(default_factory=dict, init=False)
     _status: StatusWriter = field(init=False)
     _events: EventRecorder = field(init=False)
     children: ChildReader = field(init=False)
@@ -208,6 +218,7 @@ class WorkerReconciler:
     def forget(self, namespace: str, name: str, uid: str) -> None:
         """Drop what is remembered about a deleted object."""
         self._status.forget(uid)
+        self._hand_over_since.pop(uid, None)
         if self.taints is not None:
             self.taints.forget(namespace, name)
 
@@ -245,8 +256,15 @@ class WorkerReconciler:
         try:
             cache = await self._model_cache(dw, settings, index)
             hold = cache is not None and not cache.ready
+            hand_over_state, hand_over_wake = (
+                (HandOver.NONE, None) if hold else await self._hand_over(dw, meta, index)
+            )
             children = desired_children(
-                dw, settings, adapters_gate=bool(required), hold_deployment=hold
+                dw,
+                settings,
+                adapters_gate=bool(required),
+                hold_deployment=hold,
+                hold_last_pod=hand_over_state is HandOver.WAITING,
             )
             desired = [stamped(m) for m in children]
         except SpecError as err:
@@ -311,14 +329,63 @@ class WorkerReconciler:
             model_cache=cache,
             autoscaling=self._autoscaling_view(dw),
             kv_transfer=self._kv_transfer_view(dw),
+            hand_over=hand_over_state,
         )
         outcome = await self._write_status(dw, meta, raw_status, observed, applied=applied)
         if transient:
             raise TransientError("; ".join(transient))
-        wake = _cache_wake(cache, self.clock())
-        if wake is not None and (outcome.wake_in_seconds is None or wake < outcome.wake_in_seconds):
-            outcome = replace(outcome, wake_in_seconds=wake)
+        for wake in (_cache_wake(cache, self.clock()), hand_over_wake):
+            if wake is not None and (
+                outcome.wake_in_seconds is None or wake < outcome.wake_in_seconds
+            ):
+                outcome = replace(outcome, wake_in_seconds=wake)
         return outcome
+
+    async def _hand_over(
+        self, dw: DynamoWorker, meta: Mapping[str, Any], index: ChildIndex | None
+    ) -> tuple[HandOver, float | None]:
+        """Where the hand-over to the activator stands (see `handover`), and when to look
+        again while it waits: at its bound (the activator's slice waking the worker ends it
+        sooner). A hand-over that times out is a Warning Event."""
+        worker, namespace, uid = identity(dw)
+        deployment = await self._read_child(
+            kinds.DEPLOYMENT, namespace, deployment_name(worker), index
+        )
+        slice_ = await self._read_child(
+            kinds.ENDPOINT_SLICE, namespace, activator_name(worker), index
+        )
+        now = self.clock()
+        waited = (now - self._hand_over_since.setdefault(uid, now)).total_seconds()
+        state = hand_over(
+            desired=dw.spec.replicas,
+            has_activator=wants_activator(dw),
+            deployment_replicas=int(((deployment or {}).get("spec") or {}).get("replicas", 0)),
+            activator_ready=activator_ready(slice_),
+            waited_seconds=waited,
+        )
+        if state is HandOver.NONE:
+            del self._hand_over_since[uid]
+        elif state is HandOver.WAITING:
+            return state, max(1.0, HAND_OVER_TIMEOUT_SECONDS - waited)
+        elif state is HandOver.DONE:
+            logger.info(
+                "DynamoWorker %s/%s: the activator stands in; the last pod goes", namespace, worker
+            )
+        else:
+            note = (
+                f"the activator was not ready {waited:.0f} s after spec.replicas became 0: the "
+                f"last pod goes anyway, and requests get 503 until the activator stands in "
+                f"(kubectl logs deploy/{activator_name(worker)})"
+            )
+            logger.warning("DynamoWorker %s/%s: %s", namespace, worker, note)
+            await self._events.record(
+                Regarding.of(kinds.DYNAMO_WORKER, meta),
+                reason="HandOverTimedOut",
+                note=note,
+                action="Scale",
+                warning=True,
+            )
+        return state, None
 
     def _autoscaling_view(self, dw: DynamoWorker) -> AutoscalingStatus | None:
         """The autoscaler's latest view, else what status shows (a new leader's autoscaler

@@ -4,8 +4,9 @@ Conditions, per the Kubernetes API conventions:
 - `Ready`: every desired pod is ready, and so is every frontend pod when spec.frontend is set
   and every prefill pod, on the current spec, when spec.prefill is set (True with
   `AllReplicasReady` or `ScaledToZero`).
-- `Progressing`: a worker Deployment (the prefill one too) is being created, rolled or scaled
-  (False with `RolloutComplete` once every pod runs the current spec and is ready).
+- `Progressing`: a worker Deployment (the prefill one too) is being created, rolled or scaled,
+  or its last pod serves until the activator takes over at zero (`HandingOverToActivator`);
+  False with `RolloutComplete` once every pod runs the current spec and is ready.
 - `Degraded`: something needs a person: a child the API server refused, pods that cannot be
   scheduled, pull their image, start, or keep running, a stalled rollout, KV-cache transfers
   failing between the roles, taints a pod would not take, a PodMonitor asked for without its
@@ -42,6 +43,7 @@ from dynamo_operator.api.dynamoworker import (
 from dynamo_operator.api.kv_transfer import FAILURE_WINDOW_SECONDS, KvTransferStatus
 from dynamo_operator.api.metadata import DynamoWorkerMetadata
 from dynamo_operator.reconcile.dynamoworker.frontend import frontend_url
+from dynamo_operator.reconcile.dynamoworker.handover import HAND_OVER_TIMEOUT_SECONDS, HandOver
 from dynamo_operator.reconcile.dynamoworker.labels import (
     FRONTEND_LABEL,
     deployment_name,
@@ -65,7 +67,8 @@ class WorkerObservation:
     be turned into children (its message names the field). `model_cache` is the fill of the
     current source when spec.model.cache is set. `autoscaling` is the autoscaler's view
     (status.autoscaling) when spec.autoscaling is set. `kv_transfer` is the KV-transfer
-    monitor's view per role when spec.prefill is set.
+    monitor's view per role when spec.prefill is set. `hand_over` is where the hand-over to
+    the activator stands when spec.replicas is 0.
     """
 
     now: datetime
@@ -81,6 +84,7 @@ class WorkerObservation:
     model_cache: CacheState | None = None
     autoscaling: AutoscalingStatus | None = None
     kv_transfer: Mapping[WorkerRole, KvTransferStatus] | None = None
+    hand_over: HandOver = HandOver.NONE
 
 
 def _pod_status(pod: PodSummary, record: DynamoWorkerMetadata | None) -> WorkerPodStatus:
@@ -239,6 +243,14 @@ def _progressing(
     cache = observed.model_cache
     if cache is not None and cache.phase is CachePhase.FILLING:
         return WantedCondition(t, "True", "FillingModelCache", cache.message)
+    if observed.hand_over is HandOver.WAITING:
+        return WantedCondition(
+            t,
+            "True",
+            "HandingOverToActivator",
+            "spec.replicas is 0: the last pod serves until the activator stands in (at most "
+            f"{HAND_OVER_TIMEOUT_SECONDS:g} s)",
+        )
     rollout = _rollout(deployment_name(worker), "worker", generation, desired, observed.deployment)
     if prefill_desired is None or rollout.reason != "RolloutComplete":
         return rollout
