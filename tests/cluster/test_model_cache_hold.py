@@ -19,7 +19,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from dynamo_operator.reconcile.dynamoworker.labels import fill_job_name, model_cache_claim_name
 from dynamo_operator.reconcile.dynamoworker.model_cache import cache_key
 from support.cluster import Cluster, eventually
-from support.dynamo_workers import GROUP, PLURAL, VERSION, condition, create_worker, get_worker
+from support.dynamo_workers import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    condition,
+    create_worker,
+    get_worker,
+    status_is_current,
+)
 from support.operator_process import running_operator
 
 pytestmark = pytest.mark.cluster
@@ -78,7 +86,10 @@ async def test_no_pods_before_the_fill_and_the_cache_goes_with_the_spec(
                 60,
                 (False).__eq__,
             )
-            worker = await get_worker(api, namespace, "llm")
+            # The children can be gone before the pass that removed them writes status.
+            worker = await eventually(
+                lambda: get_worker(api, namespace, "llm"), 60, status_is_current
+            )
             assert "modelCache" not in worker["status"]
             assert condition(worker, "ModelCached") == {}
         except AssertionError as err:

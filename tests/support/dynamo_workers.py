@@ -50,12 +50,20 @@ def condition(worker: dict[str, Any], type_: str) -> dict[str, Any]:
     return {}
 
 
+def status_is_current(worker: dict[str, Any]) -> bool:
+    """Whether the status says what the operator made of the latest spec (as `kubectl wait`
+    users wait: a spec change is seen once status.observedGeneration reaches it)."""
+    return (worker.get("status") or {}).get("observedGeneration") == worker["metadata"][
+        "generation"
+    ]
+
+
 def is_ready(worker: dict[str, Any], replicas: int) -> bool:
     status = worker.get("status") or {}
     return (
         condition(worker, "Ready").get("status") == "True"
         and status.get("readyReplicas") == replicas
-        and status.get("observedGeneration") == worker["metadata"]["generation"]
+        and status_is_current(worker)
         and condition(worker, "Progressing").get("reason") == "RolloutComplete"
     )
 
