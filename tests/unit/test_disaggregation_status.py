@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -16,7 +15,6 @@ from dynamo_operator.api import DynamoWorker
 from dynamo_operator.api.dynamoworker import DECODE, PREFILL, WorkerRole
 from dynamo_operator.api.kv_transfer import KvTransferStatus
 from dynamo_operator.api.loraadapter import LoRAAdapter, LoRAAdapterStatus
-from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import Cluster
 from dynamo_operator.reconcile.dynamoworker.pod_summary import PodSummary
 from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
@@ -30,6 +28,7 @@ from dynamo_operator.reconcile.loraadapter import plan as planner
 from dynamo_operator.reconcile.loraadapter.model import AdapterObservation, Pod
 from dynamo_operator.reconcile.loraadapter.targeting import WorkerInfo
 from support.api_cases import dynamo_worker, lora_adapter
+from support.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 
@@ -225,44 +224,6 @@ def test_a_lora_adapters_pod_entries_carry_the_pods_role() -> None:
         {"metadata": {"name": "llm-prefill-a", "labels": {"dynamo.dev/role": "prefill"}}}
     )
     assert Pod.of(summary, "llm").role == "prefill"
-
-
-class FakeCluster:
-    """Just enough of the API server for a reconcile: objects by (kind, namespace, name)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.deleted: list[tuple[str, str]] = []
-        self.version = 0
-
-    async def get(self, kind: kinds.Kind, namespace: str | None, name: str) -> Any:
-        return copy.deepcopy(self.objects.get((kind.kind, namespace or "", name)))
-
-    async def list(self, kind: kinds.Kind, namespace: str | None, selector: str | None) -> Any:
-        return []
-
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        self.version += 1
-        obj = copy.deepcopy(dict(manifest))
-        meta = obj["metadata"]
-        meta |= {"uid": f"uid-{meta['name']}-{obj['kind']}", "resourceVersion": str(self.version)}
-        self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
-        return copy.deepcopy(obj)
-
-    async def delete(self, kind: kinds.Kind, namespace: str | None, name: str, uid: str) -> bool:
-        self.deleted.append((kind.kind, name))
-        return self.objects.pop((kind.kind, namespace or "", name), None) is not None
-
-    async def patch_status(
-        self, kind: kinds.Kind, namespace: str, name: str, patch: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        return {"metadata": {"resourceVersion": "1"}}
-
-    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
-        return None
-
-    async def crd_exists(self, name: str) -> bool:
-        return True  # the PodMonitor CRD
 
 
 def test_dropping_spec_prefill_deletes_the_prefill_children() -> None:

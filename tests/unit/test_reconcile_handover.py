@@ -5,15 +5,12 @@ the bound with a Warning Event."""
 from __future__ import annotations
 
 import asyncio
-import copy
-from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
 
 from dynamo_operator.api import DynamoWorker
-from dynamo_operator.k8s import kinds
 from dynamo_operator.k8s.client import Cluster
 from dynamo_operator.reconcile.dynamoworker import builders
 from dynamo_operator.reconcile.dynamoworker.activator import (
@@ -30,6 +27,7 @@ from dynamo_operator.reconcile.dynamoworker.reconciler import WorkerReconciler
 from dynamo_operator.reconcile.dynamoworker.settings import ReconcileSettings
 from dynamo_operator.reconcile.dynamoworker.status import WorkerObservation, compute_status
 from support.api_cases import dynamo_worker
+from support.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 
@@ -129,45 +127,8 @@ def test_status_says_the_last_pod_serves_until_the_activator_stands_in() -> None
     assert f"at most {HAND_OVER_TIMEOUT_SECONDS:g} s" in progressing["message"]
 
 
-class FakeCluster:
-    """Just enough of the API server for a reconcile: objects by (kind, namespace, name), and
-    the Events recorded."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.events: list[Mapping[str, Any]] = []
-        self.version = 0
-
-    async def get(self, kind: kinds.Kind, namespace: str | None, name: str) -> Any:
-        return copy.deepcopy(self.objects.get((kind.kind, namespace or "", name)))
-
-    async def list(self, kind: kinds.Kind, namespace: str | None, selector: str | None) -> Any:
-        return []
-
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        self.version += 1
-        obj = copy.deepcopy(dict(manifest))
-        meta = obj["metadata"]
-        old = self.objects.get((obj["kind"], meta["namespace"], meta["name"]), {})
-        if "endpoints" in old:  # the activator's field manager owns them
-            obj["endpoints"] = old["endpoints"]
-        meta |= {"uid": f"uid-{meta['name']}-{obj['kind']}", "resourceVersion": str(self.version)}
-        self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
-        return copy.deepcopy(obj)
-
-    async def delete(self, kind: kinds.Kind, namespace: str | None, name: str, uid: str) -> bool:
-        return self.objects.pop((kind.kind, namespace or "", name), None) is not None
-
-    async def patch_status(
-        self, kind: kinds.Kind, namespace: str, name: str, patch: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        return {"metadata": {"resourceVersion": "1"}}
-
-    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
-        self.events.append(event)
-
-    async def crd_exists(self, name: str) -> bool:
-        return False
+class HandOverCluster(FakeCluster):
+    """The fake API server, with what the activator does to it."""
 
     def replicas(self) -> int:
         return int(self.objects[("Deployment", "ns", "llm")]["spec"]["replicas"])
@@ -186,9 +147,9 @@ class Clock:
         return self.now
 
 
-def scaled_to_zero() -> tuple[FakeCluster, Clock, WorkerReconciler]:
+def scaled_to_zero() -> tuple[HandOverCluster, Clock, WorkerReconciler]:
     """A worker that served with one pod, whose spec.replicas the autoscaler just set to 0."""
-    fake, clock = FakeCluster(), Clock()
+    fake, clock = HandOverCluster(has_crds=False), Clock()
     reconciler = WorkerReconciler(cast(Cluster, fake), SETTINGS, clock=clock)
     asyncio.run(reconciler.reconcile(body(1)))
     assert fake.replicas() == 1
@@ -237,7 +198,7 @@ def test_the_reconciler_lets_the_last_pod_go_after_the_bound_with_a_warning() ->
 
 
 def test_without_an_activator_spec_replicas_zero_is_zero_at_once() -> None:
-    fake, clock = FakeCluster(), Clock()
+    fake, clock = HandOverCluster(has_crds=False), Clock()
     reconciler = WorkerReconciler(cast(Cluster, fake), SETTINGS, clock=clock)
     asyncio.run(reconciler.reconcile(body(1, autoscaling=None)))
     asyncio.run(reconciler.reconcile(body(0, autoscaling=None)))
