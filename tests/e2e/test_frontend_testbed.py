@@ -45,7 +45,7 @@ from support.testbed_workers import (
     wait_kv_subscriptions,
 )
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE, post_sse, upstream_python
+from support.upstream import SAMPLE_ENGINE, streams_in_flight, upstream_python
 
 pytestmark = pytest.mark.e2e
 
@@ -202,11 +202,10 @@ async def test_drain_through_the_frontend(bed: Bed) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    streams = [asyncio.create_task(post_sse(url, body)) for _ in range(5)]
-    # Round robin put streams on both pods; delete one of them 3 s in (SIGTERM from the
-    # process node, as from a kubelet): it turns unready, leaves discovery, and must finish.
-    await asyncio.sleep(3)
-    assert not any(stream.done() for stream in streams)
+    # Round robin puts the streams on both pods; once every one has begun, delete one pod
+    # (SIGTERM from the process node, as from a kubelet): it turns unready, leaves discovery,
+    # and its streams must finish.
+    streams = await streams_in_flight(url, body, 5)
     listing = await bed.core.list_namespaced_pod(
         bed.namespace, label_selector=f"dynamo.dev/worker={WORKER}"
     )

@@ -20,7 +20,14 @@ from tokenizers import Tokenizer
 
 from support.interop_engines import FAIL_AFTER_FIRST_TOKEN_SEED, FAIL_BEFORE_OUTPUT_SEED
 from support.tiny_model import TinyModel
-from support.upstream import SAMPLE_ENGINE, UpstreamFleet, post_json, post_sse, upstream_fleet
+from support.upstream import (
+    SAMPLE_ENGINE,
+    UpstreamFleet,
+    post_json,
+    post_sse,
+    streams_in_flight,
+    upstream_fleet,
+)
 from support.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -279,9 +286,7 @@ async def test_drain_through_the_frontend(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    streams = [asyncio.create_task(post_sse(frontend + "/v1/completions", body)) for _ in range(5)]
-    await asyncio.sleep(3)
-    assert not any(stream.done() for stream in streams)
+    streams = await streams_in_flight(frontend + "/v1/completions", body, 5)
     worker.terminate()
     # Unregistered first: the Endpoint record goes at once, while the streams still run.
     deadline = time.monotonic() + 2

@@ -18,6 +18,7 @@ import pytest
 from support import vllm
 from support.bad_requests import CORPUS, SERVED, Answer, answer
 from support.tiny_model import TINY_MODEL_SEED, load_generator
+from support.upstream import stop_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -62,8 +63,7 @@ async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ser
         await asyncio.gather(vllm.wait_ready(ours), vllm.wait_ready(theirs))
         yield Servers(ours.url, theirs.url)
     finally:
-        for served in started:
-            served.process.stop()
+        stop_processes(served.process for served in started)
 
 
 def same_param(ours: Answer, theirs: Answer) -> bool:

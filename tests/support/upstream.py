@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +78,28 @@ class UpstreamProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        stop_processes([self])
+
+    def close_log(self) -> None:
+        """Closes the log file it writes to (once it has exited)."""
         self._log.close()
+
+
+def stop_processes(processes: Iterable[UpstreamProcess]) -> None:
+    """SIGTERM to every one at once, then SIGKILL to those still running 10 s later: a vLLM
+    process takes about 8 s to exit, so stopping three one after the other took 25 s."""
+    stopping = list(processes)
+    for upstream in stopping:
+        if upstream.process.poll() is None:
+            upstream.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for upstream in stopping:
+        try:
+            upstream.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            upstream.process.kill()
+            upstream.process.wait(10)
+        upstream.close_log()
 
 
 class UpstreamFleet:
@@ -256,8 +270,7 @@ class UpstreamFleet:
         """Stop our workers, then upstream's processes."""
         for worker in self.workers:
             worker.close()
-        for process in reversed(self.processes):
-            process.stop()
+        stop_processes(reversed(self.processes))
 
 
 def upstream_python() -> Path:
@@ -320,6 +333,29 @@ async def post_sse(
                 data = line[len("data:") :].strip()
                 events.append(data if data == "[DONE]" else json.loads(data))
         return response.status, events
+
+
+async def streams_in_flight(
+    url: str, body: Any, count: int
+) -> list[asyncio.Task[tuple[int, list[Any]]]]:
+    """`count` streamed requests (`post_sse`), returned once each has begun: the frontend
+    answers 200 only after a worker took the request. A stream that ends before all have
+    begun fails the wait, with what it answered, and so do 60 s without all of them begun."""
+    begun = [asyncio.Event() for _ in range(count)]
+    streams = [asyncio.create_task(post_sse(url, body, started)) for started in begun]
+    all_begun = asyncio.create_task(asyncio.wait_for(_all_set(begun), 60))
+    await asyncio.wait([all_begun, *streams], return_when=asyncio.FIRST_COMPLETED)
+    ended = [stream.result() for stream in streams if stream.done()]
+    if not all_begun.done():
+        all_begun.cancel()
+    assert not ended, f"a stream ended before all {count} had begun: {ended}"
+    await all_begun
+    return streams
+
+
+async def _all_set(events: list[asyncio.Event]) -> None:
+    for event in events:
+        await event.wait()
 
 
 def assert_stream_completed(status: int, events: list[Any], tokens: int) -> None:
