@@ -876,3 +876,35 @@ async def test_a_refused_status_write_loses_no_loaded_event() -> None:
     assert api.reasons() == ["Loaded"]  # announced once, not again by the retry
     load_seconds = "dynamo_operator_lora_load_duration_seconds_count"
     assert metrics.registry.get_sample_value(load_seconds) == 1.0
+
+
+class UnreachableClient(FleetClient):
+    """A Fleet whose pods never answer an unload; it counts the tries."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(fleet)
+        self.unloads: list[str] = []
+
+    async def unload(self, ip: str, name: str, timeout_seconds: float | None = None) -> OpResult:
+        self.unloads.append(ip)
+        return OpResult(ok=False, reason="RequestTimeout", message="no answer")
+
+
+async def test_a_deletion_handled_again_does_not_ask_the_pods_again() -> None:
+    """kopf may run the deletion handler twice (seen on the test bed): the second run must not
+    wait another bound on a pod that did not answer the first."""
+    fleet = fleet_of(2)
+    api = RefusingApi()
+    client = UnreachableClient(fleet)
+    reconciler = LoraReconciler(cast(Cluster, api), cast(LoraClient, client))
+    view = NamespaceView(workers=fleet.workers, pods_of=lambda worker: fleet.observed().pods)
+    body = fleet.adapter.to_dict()
+
+    first = await reconciler.finalize(body, view)
+    assert len(first.failed) == 2
+    assert len(client.unloads) == 2
+    again = await reconciler.finalize(body, view)
+    assert again.skipped
+    assert not again.failed
+    assert len(client.unloads) == 2
+    assert api.reasons() == ["UnloadIncomplete"]

@@ -341,6 +341,11 @@ class LoraReconciler:
         """Unload the adapter from every pod of its workers, within `unload_bound_seconds`;
         record an Event for what could not be unloaded. Never raises for pods."""
         meta = body.get("metadata") or {}
+        if str(meta.get("uid", "")) in self._reported_deletions:
+            # kopf ran this deletion's handler again (its finalizer not yet removed): the
+            # first run unloaded what it could, and asking an unreachable pod again would
+            # hold the deletion for a second bound.
+            return UnloadReport(skipped="an earlier run of this deletion unloaded it")
         state = self._state(meta)
         state.deleting = True
         deadline = self.monotonic() + self.unload_bound_seconds
