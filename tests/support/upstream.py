@@ -343,7 +343,9 @@ async def streams_in_flight(
     begun fails the wait, with what it answered, and so do 60 s without all of them begun."""
     begun = [asyncio.Event() for _ in range(count)]
     streams = [asyncio.create_task(post_sse(url, body, started)) for started in begun]
-    all_begun = asyncio.create_task(asyncio.wait_for(_all_set(begun), 60))
+    all_begun = asyncio.create_task(
+        asyncio.wait_for(asyncio.gather(*(started.wait() for started in begun)), 60)
+    )
     await asyncio.wait([all_begun, *streams], return_when=asyncio.FIRST_COMPLETED)
     ended = [stream.result() for stream in streams if stream.done()]
     if not all_begun.done():
@@ -351,11 +353,6 @@ async def streams_in_flight(
     assert not ended, f"a stream ended before all {count} had begun: {ended}"
     await all_begun
     return streams
-
-
-async def _all_set(events: list[asyncio.Event]) -> None:
-    for event in events:
-        await event.wait()
 
 
 def assert_stream_completed(status: int, events: list[Any], tokens: int) -> None:
