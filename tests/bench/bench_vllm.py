@@ -215,9 +215,10 @@ async def behind_frontend(upstream_fleet: UpstreamFleet, tmp_path: Path) -> dict
     frontend = await vllm.start_behind_frontend(
         fleet, base, tmp_path, ours=OURS_BEHIND_FRONTEND, theirs=UPSTREAM_BEHIND_FRONTEND
     )
+    url = frontend.url
     return {
-        "ours": Target(frontend, OURS_BEHIND_FRONTEND),
-        "upstream": Target(frontend, UPSTREAM_BEHIND_FRONTEND),
+        "ours": Target(url, OURS_BEHIND_FRONTEND),
+        "upstream": Target(url, UPSTREAM_BEHIND_FRONTEND),
     }
 
 

