@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
@@ -163,17 +162,27 @@ def test_progress_lines_about_every_second(
     s3_env: dict[str, str], source: str, tmp_path: Path
 ) -> None:
     with counting_proxy(s3_env["AWS_ENDPOINT_URL"]) as proxy:
-        # Hold the objects back for a while, so that the fill has progress to report.
+        # Hold the objects back until the fill has reported twice while waiting for them:
+        # a condition, not a timer, since the tool's start takes seconds on a busy machine.
         proxy.release_gets.clear()
-        release = threading.Timer(2.5, proxy.release_gets.set)
-        release.start()
+        fill_process = subprocess.Popen(
+            [*TOOL, "fill", "--source", source, "--cache", str(tmp_path / "cache")],
+            env=s3_env | {"AWS_ENDPOINT_URL": proxy.url},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
-            done = fill(s3_env | {"AWS_ENDPOINT_URL": proxy.url}, source, tmp_path / "cache")
-        finally:
-            release.cancel()
+            assert fill_process.stdout is not None
+            held_lines = [fill_process.stdout.readline() for _ in range(2)]
             proxy.release_gets.set()
-    assert done.returncode == 0, done.stderr
-    lines = json_lines(done.stdout)
+            stdout, stderr = fill_process.communicate(timeout=120)
+        finally:
+            proxy.release_gets.set()
+            fill_process.kill()
+            fill_process.wait()
+    assert fill_process.returncode == 0, stderr
+    lines = json_lines("".join(held_lines) + stdout)
     *progress, last = lines
     assert len(progress) >= 2, lines
     for line in progress:

@@ -11,6 +11,7 @@ checks that a refused status write loses no Event.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -908,3 +909,65 @@ async def test_a_deletion_handled_again_does_not_ask_the_pods_again() -> None:
     assert not again.failed
     assert len(client.unloads) == 2
     assert api.reasons() == ["UnloadIncomplete"]
+
+
+class HeldListingClient(FleetClient):
+    """A Fleet whose pods answer `GET /v1/loras` only once `answer` is set, and unload."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(fleet)
+        self.listing = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def list(self, ip: str) -> Listing:
+        self.listing.set()
+        await self.answer.wait()
+        return await super().list(ip)
+
+    async def unload(self, ip: str, name: str, timeout_seconds: float | None = None) -> OpResult:
+        served = self.fleet.pods[self.names[ip]].serving.pop(name, None)
+        return OpResult(ok=served is not None, reason="NotLoaded")
+
+
+def serving(fleet: Fleet) -> dict[str, list[str]]:
+    return {name: sorted(pod.serving) for name, pod in fleet.pods.items()}
+
+
+async def test_a_pass_that_began_before_the_deletion_loads_nothing_after_it() -> None:
+    """kopf lets a pass its daemon began run beside the deletion handler (seen on the test bed:
+    a deleted adapter still served): what that pass planned must not land after the unload."""
+    fleet = fleet_of(2)
+    client = HeldListingClient(fleet)
+    reconciler = LoraReconciler(cast(Cluster, RefusingApi()), cast(LoraClient, client))
+    view = NamespaceView(workers=fleet.workers, pods_of=lambda worker: fleet.observed().pods)
+    body = fleet.adapter.to_dict()
+
+    began = asyncio.create_task(reconciler.reconcile(body, view))
+    await client.listing.wait()
+    client.answer.set()  # answered, but the pass resumes only after the deletion began
+    await reconciler.finalize(body, view)
+    outcome = await began
+    await reconciler.wait_idle()
+    assert outcome.actions == ()
+    assert serving(fleet) == {name: [] for name in fleet.pods}
+
+
+async def test_a_pass_on_an_adapter_being_deleted_loads_nothing() -> None:
+    """The daemon's last pass may come after the deletion handler unloaded and forgot the
+    adapter; its body then carries the deletion timestamp."""
+    fleet = fleet_of(2)
+    client = HeldListingClient(fleet)
+    client.answer.set()
+    reconciler = LoraReconciler(cast(Cluster, RefusingApi()), cast(LoraClient, client))
+    view = NamespaceView(workers=fleet.workers, pods_of=lambda worker: fleet.observed().pods)
+    body = fleet.adapter.to_dict()
+    await reconciler.finalize(body, view)
+
+    deleting = {
+        **body,
+        "metadata": {**body["metadata"], "deletionTimestamp": "2026-12-07T20:00:00Z"},
+    }
+    outcome = await reconciler.reconcile(deleting, view)
+    await reconciler.wait_idle()
+    assert outcome.actions == ()
+    assert serving(fleet) == {name: [] for name in fleet.pods}

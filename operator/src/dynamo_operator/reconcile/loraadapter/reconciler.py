@@ -155,6 +155,11 @@ class LoraReconciler:
     ) -> LoraOutcome:
         """One pass for the LoRAAdapter `body`, given what its namespace holds."""
         meta = body.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            # kopf signals the daemon to stop but lets a pass it already began run beside the
+            # deletion handler, even after that handler unloaded the adapter and forgot it:
+            # an adapter being deleted is never loaded again.
+            return LoraOutcome(status=self._status.normalized(body.get("status")))
         state = self._state(meta)
         async with state.lock:
             if state.deleting:
@@ -184,6 +189,10 @@ class LoraReconciler:
         names = {w.name for w in targeted} | {t.worker for t in state.tracks.values() if t.worker}
         pods = [pod for worker in sorted(names) for pod in view.pods_of(worker)]
         listings = await self._list_all(state.namespace, [p for p in pods if p.eligible])
+        if state.deleting:
+            # The deletion began while this pass listed the pods, and has settled the
+            # requests it found: a load started now would land after its unload.
+            return LoraOutcome(status=self._status.normalized(raw_status))
         observed = AdapterObservation(
             now=now,
             workers=targeted,
