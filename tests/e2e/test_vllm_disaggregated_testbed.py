@@ -17,8 +17,8 @@ failure); a LoRAAdapter loads on both roles' pods (its status names each pod's r
 request gives the reference's adapter text; the decode pod, deleted during 4 streams, completes
 all 4; the prefill pod, SIGKILLed after it answered and before the decode pod pulled the
 blocks, fails that request only (500, the decode pod's slot and blocks freed), and the failed
-pull turns the worker Degraded. Skipped without vLLM's or upstream's venv; all but the first
-need MIN_CORES (see there: on 2 cores the pulls stall, our known defect).
+pull turns the worker Degraded. Skipped without vLLM's or upstream's venv. All run on 2 cores:
+they skipped there until NIXL's progress threads slept between polls (the guide's Limits).
 
 Both roles share the machine's cores (see `vllm.CPU_SHARING_ENV`).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -74,26 +73,6 @@ from testbed.layout import VLLM_WORKER_IMAGE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-# The kill test needs more cores than this project's 2-core machines. It freezes the decode
-# pod while the frontend hands it the request, and the frontend gives a worker 5 s to take a
-# request (its request-plane timeout); on 2 cores, with the prefill container restarting
-# beside it, the decode pod called home about 11 s after the frontend handed it the request
-# (504, not the pull's 500).
-MIN_CORES = 4
-needs_cores = pytest.mark.skipif(
-    (os.cpu_count() or 1) < MIN_CORES,
-    reason=f"needs {MIN_CORES} CPU cores: on 2 the frozen, then thawed decode pod answered "
-    "after the frontend's 5 s request-plane timeout (504, not the pull's 500)",
-)
-# Our known defect on 2 cores (the guide's Limits): NIXL's progress threads run under
-# SCHED_IDLE, and a decode pod's got no CPU while its engine stepped waiting for a pull.
-pulls_need_cores = pytest.mark.skipif(
-    (os.cpu_count() or 1) < MIN_CORES,
-    reason=f"needs {MIN_CORES} CPU cores: on 2 the decode pod's NIXL progress thread "
-    "(SCHED_IDLE) got 0-25 ms of CPU per second for 24 s while its engine waited for a pull, "
-    "so pulls stalled past vLLM's 30 s lease (5 of 12 runs) and once the pair served nothing "
-    "for 120 s",
-)
 WORKER = "tiny-disagg"
 SERVED = "tiny-llama"
 FRONTEND = f"{WORKER}-frontend"
@@ -247,7 +226,6 @@ async def test_both_roles_become_ready_with_their_flags(bed: Bed) -> None:
         assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
 
 
-@pulls_need_cores
 async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
     bed: Bed, expected: dict[str, str]
 ) -> None:
@@ -307,7 +285,6 @@ async def test_prefill_pod_fills_and_decode_pod_receives_the_cache(
     assert condition(found, "Degraded")["status"] == degraded
 
 
-@pulls_need_cores
 async def test_an_adapter_loads_on_both_roles_and_is_prefilled_and_decoded_with(
     bed: Bed, expected: dict[str, str]
 ) -> None:
@@ -337,7 +314,6 @@ async def test_an_adapter_loads_on_both_roles_and_is_prefilled_and_decoded_with(
     assert text != expected[SERVED]
 
 
-@pulls_need_cores
 async def test_a_decode_pod_stopped_during_four_streams_completes_them(bed: Bed) -> None:
     await bed.eventually("Ready", bed.worker, 600, ready)
     [decode] = await worker_pods(bed, WORKER)
@@ -382,7 +358,6 @@ async def _started_stream(url: str, body: dict[str, Any]) -> asyncio.Task[tuple[
     raise AssertionError("the frontend gave up on 3 requests before the decode worker took them")
 
 
-@needs_cores
 async def test_a_prefill_pod_killed_before_its_cache_is_pulled_fails_the_request_only(
     bed: Bed, testbed: Cluster
 ) -> None:
