@@ -64,6 +64,8 @@ def live_copy(manifest: dict[str, Any]) -> dict[str, Any]:
         ("Qwen", None),
         (True, None),
         ("", None),
+        ("5e9999999", None),  # past Decimal's range: a hash, not a quantity
+        ("7e999999E", None),
     ],
 )
 def test_parse_quantity(text: object, value: Decimal | None) -> None:
@@ -134,3 +136,15 @@ def test_hash_ignores_its_own_annotation_and_key_order() -> None:
 def test_booleans_are_not_quantities() -> None:
     assert difference({"a": True}, {"a": 1}) == "a"
     assert difference({"a": "1"}, {"a": 1}) is None
+
+
+def test_a_hash_that_reads_as_a_huge_number_is_compared_as_a_string() -> None:
+    """Seen on the test bed: an annotation's old hash matched the quantity pattern past
+    Decimal's range, and the comparison raised in every reconcile of the DynamoWorker."""
+    desired = stamped(DESIRED)
+    live = live_copy(desired)
+    live["metadata"]["annotations"] = {
+        key: "31e4159265" for key in desired["metadata"]["annotations"]
+    }
+    assert difference(desired, live) is not None
+    assert needs_apply(desired, live)

@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import Any
 
 # A hash of the manifest the operator last applied (see the module doc).
@@ -65,7 +65,10 @@ def parse_quantity(value: object) -> Decimal | None:
         return None
     try:
         return Decimal(match.group(1)) * _SUFFIXES[match.group(2) or ""]
-    except InvalidOperation:
+    except DecimalException:
+        # Past Decimal's range (Overflow), or not a number: such a string is no quantity.
+        # A hash such as "5e9999999" in an annotation matches the pattern, and raising here
+        # failed every reconcile of its object.
         return None
 
 
