@@ -66,9 +66,30 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SessionFixtureTimer(), "session-fixture-timer")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `order_last` run after all others (they restart shared fixtures)."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cluster-split",
+        choices=("with", "without"),
+        help="run only the tests that use a Kubernetes cluster (the `cluster` fixture) or only "
+        "those that do not: hack/test runs the two halves in two pytests side by side",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `order_last` run after all others (they restart shared fixtures).
+    `--cluster-split` deselects by fixture closure, so a test's half follows what it uses."""
+    split = config.getoption("--cluster-split")
+    if split is not None:
+        wanted = split == "with"
+        deselected = [item for item in items if _uses_cluster(item) != wanted]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if _uses_cluster(item) == wanted]
     items.sort(key=lambda item: item.get_closest_marker("order_last") is not None)
+
+
+def _uses_cluster(item: pytest.Item) -> bool:
+    return "cluster" in getattr(item, "fixturenames", ())
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
