@@ -258,18 +258,17 @@ CI_SUBSET = {
     ("adapter-roll", "leader-killed"),
     ("adapter-apply", "apiserver-restart"),
 }
-# Violations the matrix found and that are not fixed yet: (scenario, fault) -> the cause.
-# Fixed: a 16-request 5xx/429 burst exhausted kopf's 9 tries of its finalizer PATCH (create,
-# delete): kopf now retries for minutes (`handlers.lifecycle.api_error_backoffs`); a
-# DynamoWorker became Ready while that PATCH was still being retried (create x api-errors):
-# no daemon reconciles before kopf's finalizer is on its object (`handlers.resync`); a
-# LoRAAdapter was loaded (and Ready) before kopf's finalizer was on it when the API failed
-# (adapter-apply x api-errors, and x the proxy's outage that apiserver-restart replaced): its
-# daemon now waits for the finalizer; an
-# operator killed at every second write hot-swapped adapters its predecessor had loaded and
-# never converged (adapter-apply, adapter-roll x kill-after-each-write): workers now list each
-# adapter's source, and a pod serving the current one is adopted.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
+# Violations the matrix found, each fixed in the product (none is marked expected to fail: a new one
+# fails its cell until it is fixed): a 16-request 5xx/429 burst exhausted kopf's 9 tries of its
+# finalizer PATCH (create, delete): kopf now retries for minutes
+# (`handlers.lifecycle.api_error_backoffs`); a DynamoWorker became Ready while that PATCH was still
+# being retried (create x api-errors): no daemon reconciles before kopf's finalizer is on its object
+# (`handlers.resync`); a LoRAAdapter was loaded (and Ready) before kopf's finalizer was on it when
+# the API failed (adapter-apply x api-errors, and x the proxy's outage that apiserver-restart
+# replaced): its daemon now waits for the finalizer; an operator killed at every second write
+# hot-swapped adapters its predecessor had loaded and never converged (adapter-apply, adapter-roll x
+# kill-after-each-write): workers now list each adapter's source, and a pod serving the current one
+# is adopted.
 
 
 @asynccontextmanager
@@ -323,8 +322,6 @@ def _marks(scenario: str, fault: str) -> tuple[pytest.MarkDecorator, ...]:
     if scenario not in CHOSEN and (scenario, fault) not in CI_SUBSET:
         reason = "the full fault matrix: set DYNAMO_FAULT_MATRIX=full (or scenario names)"
         return (pytest.mark.skip(reason=reason),)
-    if (scenario, fault) in KNOWN_VIOLATIONS:
-        return (pytest.mark.xfail(reason=KNOWN_VIOLATIONS[(scenario, fault)], strict=False),)
     return ()
 
 
