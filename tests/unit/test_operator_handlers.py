@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import kopf
 import pytest
@@ -282,6 +282,49 @@ async def test_one_resync_loop_runs_on_triggers_requests_and_the_period() -> Non
         setter.set()
         await asyncio.wait_for(loop, timeout=5)
     assert memo.metrics.managed_objects.labels(kind="LoRAAdapter")._value.get() == 0
+
+
+class WatchedSlot(asyncio.Semaphore):
+    """One reconcile slot that says when a loop asks for it."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.asked = asyncio.Event()
+
+    async def acquire(self) -> Literal[True]:
+        self.asked.set()
+        return await super().acquire()
+
+
+async def test_a_resync_loop_stopped_while_it_waits_for_a_slot_starts_no_pass() -> None:
+    # kopf stops the daemon when a deletion begins and runs the deletion handler: a pass the
+    # loop started after that would run beside it (and write children it just removed).
+    memo = OperatorContext(OperatorConfig(namespaces=("ns",)))
+    slot = memo.reconcile_slots = WatchedSlot()
+    setter: FlagSetter[Any] = FlagSetter()
+    key = ("DynamoWorker", "ns", "llm")
+    body = kopf.Body({"metadata": {"name": "llm", "finalizers": [FINALIZER]}})
+    passes: list[bool] = []
+    reconciled = asyncio.Event()
+
+    async def reconcile(full: bool) -> float | None:
+        passes.append(full)
+        reconciled.set()
+        return None
+
+    loop = asyncio.create_task(resync_loop(memo, key, body, setter.async_waiter, reconcile))
+    try:
+        await asyncio.wait_for(reconciled.wait(), timeout=5)
+        async with slot:  # another object's pass holds the only slot
+            slot.asked.clear()
+            memo.wake(*key)
+            await asyncio.wait_for(slot.asked.wait(), timeout=5)
+            setter.set()
+        await asyncio.wait_for(loop, timeout=5)
+    finally:
+        setter.set()
+        await asyncio.wait_for(loop, timeout=5)
+    assert passes == [True]
 
 
 async def test_the_resync_loop_reconciles_nothing_before_kopfs_finalizer_is_on() -> None:

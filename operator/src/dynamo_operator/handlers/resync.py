@@ -66,6 +66,8 @@ async def resync_loop(
                 break
             await asyncio.sleep(DEBOUNCE_SECONDS)
             async with memo.reconcile_slots:
+                if stopped:  # while it waited: kopf's deletion handler may run, no pass beside it
+                    break
                 trigger.clear()
                 # A full pass when the resync is due, even while events keep coming.
                 full = not triggered or time.monotonic() - last_full >= resync
