@@ -284,6 +284,19 @@ async def test_one_resync_loop_runs_on_triggers_requests_and_the_period() -> Non
     assert memo.metrics.managed_objects.labels(kind="LoRAAdapter")._value.get() == 0
 
 
+class RecordedPasses:
+    """A reconcile that records each pass (whether full) and says when one ran."""
+
+    def __init__(self) -> None:
+        self.passes: list[bool] = []
+        self.ran = asyncio.Event()
+
+    async def __call__(self, full: bool) -> float | None:
+        self.passes.append(full)
+        self.ran.set()
+        return None
+
+
 class WatchedSlot(asyncio.Semaphore):
     """One reconcile slot that says when a loop asks for it."""
 
@@ -304,17 +317,10 @@ async def test_a_resync_loop_stopped_while_it_waits_for_a_slot_starts_no_pass() 
     setter: FlagSetter[Any] = FlagSetter()
     key = ("DynamoWorker", "ns", "llm")
     body = kopf.Body({"metadata": {"name": "llm", "finalizers": [FINALIZER]}})
-    passes: list[bool] = []
-    reconciled = asyncio.Event()
-
-    async def reconcile(full: bool) -> float | None:
-        passes.append(full)
-        reconciled.set()
-        return None
-
+    reconcile = RecordedPasses()
     loop = asyncio.create_task(resync_loop(memo, key, body, setter.async_waiter, reconcile))
     try:
-        await asyncio.wait_for(reconciled.wait(), timeout=5)
+        await asyncio.wait_for(reconcile.ran.wait(), timeout=5)
         async with slot:  # another object's pass holds the only slot
             slot.asked.clear()
             memo.wake(*key)
@@ -324,7 +330,7 @@ async def test_a_resync_loop_stopped_while_it_waits_for_a_slot_starts_no_pass() 
     finally:
         setter.set()
         await asyncio.wait_for(loop, timeout=5)
-    assert passes == [True]
+    assert reconcile.passes == [True]
 
 
 async def test_the_resync_loop_reconciles_nothing_before_kopfs_finalizer_is_on() -> None:
@@ -335,23 +341,16 @@ async def test_the_resync_loop_reconciles_nothing_before_kopfs_finalizer_is_on()
     key = ("DynamoWorker", "ns", "llm")
     raw: Any = {"metadata": {"name": "llm"}}
     body = kopf.Body(raw)  # kopf's live body: it follows `raw`
-    passes: list[bool] = []
-    reconciled = asyncio.Event()
-
-    async def reconcile(full: bool) -> float | None:
-        passes.append(full)
-        reconciled.set()
-        return None
-
+    reconcile = RecordedPasses()
     loop = asyncio.create_task(resync_loop(memo, key, body, setter.async_waiter, reconcile))
     try:
         memo.wake(*key)  # events do not bypass the wait
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(reconciled.wait()), timeout=1.5)
-        assert passes == []
+            await asyncio.wait_for(asyncio.shield(reconcile.ran.wait()), timeout=1.5)
+        assert reconcile.passes == []
         raw["metadata"]["finalizers"] = [FINALIZER]  # kopf's PATCH went through at last
-        await asyncio.wait_for(reconciled.wait(), timeout=5)
-        assert passes == [True]
+        await asyncio.wait_for(reconcile.ran.wait(), timeout=5)
+        assert reconcile.passes == [True]
     finally:
         setter.set()
         await asyncio.wait_for(loop, timeout=5)
